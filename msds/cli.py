@@ -1,0 +1,56 @@
+"""The `msds` command. Each subcommand lives with the package that owns it and registers itself
+through an `add_parser(subparsers)` function; this file only lists them.
+
+Errors that come from bad input (config, data, checkpoints, arguments) are `MsdsError`s or
+`ConfigError`s: they are printed as one line, `msds <command>: error: <message>`, with exit code 2,
+instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from msds.config import ConfigError
+from msds.errors import MsdsError
+
+# (module, doc) for every subcommand; modules are imported only when their command runs, so that
+# `msds --help` stays fast and a command never pays for another's imports.
+SUBCOMMANDS = {
+    "import-hf": ("msds.model.hf", "convert a Hugging Face BERT/GPT-2 directory into an msds checkpoint"),
+    "export-hf": ("msds.model.hf", "write an msds checkpoint as a Hugging Face directory"),
+    "parity": ("msds.model.parity", "check msds against transformers on the real MiniLM BERT checkpoint"),
+    "map": ("msds.multilevel.cli", "coalesce / de-coalesce / interpolate checkpoints offline"),
+    "data": ("msds.data.cli", "prepare tokenized corpora"),
+    "demo": ("msds.demo", "run the main job on its embedded default"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="msds", description="Multi-level BERT/GPT pretraining on DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, doc) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=doc)
+            continue
+        importlib.import_module(module).add_parser(sub, name, doc)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    parser = build_parser(only=command or "")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except (MsdsError, ConfigError) as exc:
+        print(f"msds {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The one typed configuration tree of msds.
+
+Every run is described by dataclasses, loaded from YAML (plus `key=value` overrides), checked
+field by field before anything trains, and dumped into the run directory. Each field is documented
+where it is declared, as megatron-core does for TransformerConfig.
+
+Errors are `ConfigError`s whose message starts with the dotted path of the offending field
+(`model.num_heads: ...`) and says how to fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, mistyped or inconsistent."""
+
+
+# --------------------------------------------------------------------------------------------
+# Generic loading / dumping of dataclass trees
+# --------------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value, tp, path: str):
+    """Convert a YAML value to the annotated type `tp`, or raise ConfigError naming `path`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of "
+                          f"{', '.join(_type_name(a) for a in args)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        val_tp = args[1] if args else Any
+        return {k: _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data, path: str = ""):
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key; known keys here: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{missing[0]}: required, but not given")
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict:
+    """A plain, YAML-serialisable copy of a dataclass tree."""
+    return dataclasses.asdict(obj)
+
+
+def set_by_path(data: dict, dotted_key: str, value) -> None:
+    """Set `data[a][b][c] = value` for `dotted_key` 'a.b.c', creating mappings on the way."""
+    keys = dotted_key.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted_key}: '{key}' is not a section, cannot set a key below it")
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Parse `key.path=value` strings; values are read as YAML (numbers, booleans, lists)."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item}: an override must look like key.path=value")
+        key, raw = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+    return parsed
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level of a config must be a mapping")
+    return data
+
+
+def dump_yaml(obj, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(obj), f, sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+Arch = Literal["bert", "gpt"]
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of one transformer (one level of a V-cycle)."""
+
+    arch: Arch = "gpt"
+    """`bert`: post-LN encoder with token types, embedding LayerNorm and an MLM head.
+    `gpt`: pre-LN causal decoder with a final LayerNorm. Both tie the output head to the word
+    embeddings."""
+    vocab_size: int = 8192
+    """Rows of the word embedding (and columns of the tied output head)."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    head_dim: int = 0
+    """Channels per head; 0 means hidden_size / num_heads. Kept explicitly because coalescing merges
+    heads without changing head_dim, so num_heads * head_dim may differ from hidden_size."""
+    ffn_size: int = 0
+    """Inner width of the MLP; 0 means 4 * hidden_size."""
+    max_positions: int = 512
+    """Rows of the learned position embedding (longest sequence)."""
+    type_vocab_size: int = 2
+    """Token-type (segment) embeddings, BERT only."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon (BERT uses 1e-12, GPT-2 1e-5)."""
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    """MLP activation: exact GELU (BERT) or its tanh approximation (GPT-2's `gelu_new`)."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and on each residual branch."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    nsp_head: bool = False
+    """BERT only: add the pooler and next-sentence classifier."""
+
+    def __post_init__(self):
+        if self.head_dim == 0 and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.ffn_size == 0:
+            self.ffn_size = 4 * self.hidden_size
+
+    def validate(self, path: str = "model") -> "ModelConfig":
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{path}.{name}: must be positive, got {getattr(self, name)}")
+        if self.head_dim <= 0:
+            raise ConfigError(
+                f"{path}.num_heads: hidden_size {self.hidden_size} is not divisible by num_heads "
+                f"{self.num_heads}; choose a divisor or set head_dim explicitly")
+        if self.ffn_size <= 0:
+            raise ConfigError(f"{path}.ffn_size: must be positive, got {self.ffn_size}")
+        if self.arch == "bert" and self.type_vocab_size <= 0:
+            raise ConfigError(f"{path}.type_vocab_size: BERT needs at least one token type")
+        if self.nsp_head and self.arch != "bert":
+            raise ConfigError(f"{path}.nsp_head: the next-sentence head exists for BERT only")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{path}.{name}: must be in [0, 1), got {getattr(self, name)}")
+        return self
+
+    @property
+    def attention_size(self) -> int:
+        """Width of the concatenated heads (num_heads * head_dim)."""
+        return self.num_heads * self.head_dim
+
+
+# Named sizes. The paper's models, and small ones for CPU work.
+MODEL_PRESETS: dict[str, dict] = {
+    "bert-base": dict(arch="bert", vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
+                      max_positions=512, norm_eps=1e-12, activation="gelu"),
+    "bert-large": dict(arch="bert", vocab_size=30522, hidden_size=1024, num_layers=24, num_heads=16,
+                       max_positions=512, norm_eps=1e-12, activation="gelu"),
+    "gpt-base": dict(arch="gpt", vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+                     max_positions=1024, norm_eps=1e-5, activation="gelu_tanh"),
+    "bert-small": dict(arch="bert", vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4,
+                       max_positions=128, norm_eps=1e-12, activation="gelu"),
+    "gpt-small": dict(arch="gpt", vocab_size=8192, hidden_size=256, num_layers=6, num_heads=8,
+                      max_positions=128, norm_eps=1e-5, activation="gelu_tanh"),
+    "bert-tiny": dict(arch="bert", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                      max_positions=64, norm_eps=1e-12, activation="gelu"),
+    "gpt-tiny": dict(arch="gpt", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                     max_positions=64, norm_eps=1e-5, activation="gelu_tanh"),
+}
+
+
+def model_config(preset: Optional[str] = None, **overrides) -> ModelConfig:
+    """A validated ModelConfig from a named size plus field overrides."""
+    base = {}
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset: unknown size {preset!r}; known: {', '.join(MODEL_PRESETS)}")
+        base = dict(MODEL_PRESETS[preset])
+    base.update(overrides)
+    return from_dict(ModelConfig, base, "model").validate()
