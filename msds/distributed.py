@@ -1,0 +1,57 @@
+"""Process groups: torch.distributed plus megatron-core's tensor/pipeline/data-parallel state.
+
+msds models are built from megatron-core's parallel layers, which need megatron's parallel state
+even at TP=1. A process started without a launcher (tools, tests, one-process runs) gets a
+one-process gloo group, so that the same model code runs everywhere.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from msds.model import megatron_cpu
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:
+    """Initialise torch.distributed (from launcher variables, else one process) and megatron-core's
+    parallel state. Idempotent for the same sizes."""
+    from megatron.core import parallel_state
+
+    megatron_cpu.install()
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            import deepspeed
+
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            deepspeed.init_distributed(dist_backend=default_backend(), timeout=timedelta(minutes=30))
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if (tp, pp) == (tensor_parallel, pipeline_parallel):
+            return
+        parallel_state.destroy_model_parallel()
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        from msds.config import ConfigError
+
+        raise ConfigError(f"parallel.tensor: tensor ({tensor_parallel}) x pipeline ({pipeline_parallel}) "
+                          f"parallel sizes must divide the world size {world}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             pipeline_model_parallel_size=pipeline_parallel)
+    megatron_cpu.seed_model_parallel_rng(seed)
+
+
+def tensor_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()

@@ -1,0 +1,1 @@
+"""The msds transformer (architecture), its parameter-role table and Hugging Face interop."""

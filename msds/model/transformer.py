@@ -1,0 +1,229 @@
+"""The msds transformer: BERT (post-LN encoder) and GPT (pre-LN decoder) in one implementation.
+
+Architecture only. Parallelism comes from megatron-core's tensor-parallel layers, so the tensor-
+parallel size is whatever megatron's parallel state says (msds.distributed sets it up); every other
+concern (engines, checkpoints, transitions, metrics) lives outside this file.
+
+The model is a flat sequence of stages, `embeddings -> layers[0..N-1] -> head`, so that a pipeline
+can cut it between any two stages without rewriting it. Parameter names are declared, with the
+meaning of each axis, in msds/model/roles.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+from torch import nn
+
+from msds.config import ModelConfig
+
+try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
+    from apex.normalization import FusedLayerNorm as LayerNorm
+except ImportError:
+    LayerNorm = nn.LayerNorm
+
+
+def _normal_init(std: float):
+    return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def _megatron_config(cfg: ModelConfig) -> ModelParallelConfig:
+    # CPU initialisation builds each full weight from the global RNG and keeps this rank's slice,
+    # so a model has the same weights whatever its tensor-parallel size.
+    return ModelParallelConfig(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+    )
+
+
+class Embeddings(nn.Module):
+    """Word (vocab-parallel) + learned position (+ token-type and LayerNorm for BERT) embeddings."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
+        super().__init__()
+        self.arch = cfg.arch
+        self.word = tensor_parallel.VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        nn.init.normal_(self.position.weight, std=cfg.init_std)
+        if cfg.arch == "bert":
+            self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+            nn.init.normal_(self.token_type.weight, std=cfg.init_std)
+            self.norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids, token_type_ids=None):
+        seq_len = input_ids.shape[1]
+        h = self.word(input_ids) + self.position.weight[:seq_len]
+        if self.arch == "bert":
+            if token_type_ids is None:
+                h = h + self.token_type.weight[0]
+            else:
+                h = h + self.token_type(token_type_ids)
+            h = self.norm(h)
+        return self.dropout(h)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection laid out as [head, (q, k, v), head_dim],
+    so that a tensor-parallel slice of the output holds whole heads."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, output_init):
+        super().__init__()
+        tp = mp.tensor_model_parallel_size
+        self.heads = cfg.num_heads // tp
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.arch == "gpt"
+        self.dropout_p = cfg.attention_dropout
+        self.qkv = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, 3 * cfg.attention_size, config=mp, init_method=_normal_init(cfg.init_std),
+            bias=True, gather_output=False)
+        self.proj = tensor_parallel.RowParallelLinear(
+            cfg.attention_size, cfg.hidden_size, config=mp, init_method=output_init,
+            bias=True, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x, attn_mask=None):
+        batch, seq_len, _ = x.shape
+        qkv, _ = self.qkv(x)
+        q, k, v = qkv.view(batch, seq_len, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            # Each tensor-parallel rank holds different heads: draw their dropout from the
+            # rank-specific stream, not the stream all ranks share.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal=self.causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal=self.causal)
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
+        return self.proj(out)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, output_init):
+        super().__init__()
+        self.fc1 = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, cfg.ffn_size, config=mp, init_method=_normal_init(cfg.init_std),
+            bias=True, gather_output=False)
+        self.fc2 = tensor_parallel.RowParallelLinear(
+            cfg.ffn_size, cfg.hidden_size, config=mp, init_method=output_init,
+            bias=True, input_is_parallel=True, skip_bias_add=False)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)[0], approximate=self.approximate))[0]
+
+
+class Block(nn.Module):
+    """One transformer block. BERT normalises after each residual sum (post-LN), GPT before each
+    branch (pre-LN); the parameters are the same, so the multi-level operators treat both alike."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
+        super().__init__()
+        self.pre_norm = cfg.arch == "gpt"
+        # GPT-2 scales the init of residual-output projections by 1/sqrt(2 N) so the residual
+        # stream's variance does not grow with depth; BERT does not.
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers) if self.pre_norm else cfg.init_std
+        self.attn_norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, mp, _normal_init(out_std))
+        self.mlp_norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg, mp, _normal_init(out_std))
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x, attn_mask=None):
+        if self.pre_norm:
+            x = x + self.dropout(self.attn(self.attn_norm(x), attn_mask))
+            return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = self.attn_norm(x + self.dropout(self.attn(x, attn_mask)))
+        return self.mlp_norm(x + self.dropout(self.mlp(x)))
+
+
+class LMHead(nn.Module):
+    """Output head tied to the word embeddings. GPT: final LayerNorm. BERT: MLM transform (dense,
+    GELU, LayerNorm) and a vocabulary bias, plus the optional pooler and next-sentence classifier."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
+        super().__init__()
+        self.arch = cfg.arch
+        if cfg.arch == "bert":
+            self.transform = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+            nn.init.normal_(self.transform.weight, std=cfg.init_std)
+            nn.init.zeros_(self.transform.bias)
+            vocab_per_rank = cfg.vocab_size // mp.tensor_model_parallel_size
+            self.bias = nn.Parameter(torch.zeros(vocab_per_rank))
+            tensor_parallel.set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+            if cfg.nsp_head:
+                self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+                self.nsp = nn.Linear(cfg.hidden_size, 2)
+                for layer in (self.pooler, self.nsp):
+                    nn.init.normal_(layer.weight, std=cfg.init_std)
+                    nn.init.zeros_(layer.bias)
+        self.norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, h, word_embeddings):
+        """Vocab-parallel logits: this rank's slice of the vocabulary."""
+        if self.arch == "bert":
+            h = F.gelu(self.transform(h), approximate=self.gelu_approximate)
+        h = self.norm(h)
+        h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        logits = F.linear(h, word_embeddings)
+        if self.arch == "bert":
+            logits = logits + self.bias
+        return logits
+
+    def next_sentence_logits(self, h):
+        return self.nsp(torch.tanh(self.pooler(h[:, 0])))
+
+
+class Transformer(nn.Module):
+    """BERT or GPT, as `cfg.arch` says. `forward` returns the mean token loss when `labels` are
+    given (label -100 = ignored), else this rank's vocab slice of the logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        for name, size in (("num_heads", cfg.num_heads), ("ffn_size", cfg.ffn_size),
+                           ("vocab_size", cfg.vocab_size)):
+            if size % tp:
+                from msds.config import ConfigError
+                raise ConfigError(f"model.{name}: {size} is not divisible by the tensor-parallel size {tp}")
+        self.cfg = cfg
+        mp = _megatron_config(cfg)
+        self.embeddings = Embeddings(cfg, mp)
+        self.layers = nn.ModuleList(Block(cfg, mp) for _ in range(cfg.num_layers))
+        self.head = LMHead(cfg, mp)
+
+    def attention_mask(self, attention_mask):
+        """SDPA mask from a (batch, seq) keep-mask; None when nothing is masked (GPT: causal only)."""
+        if attention_mask is None or self.cfg.arch == "gpt":
+            return None
+        return attention_mask.bool()[:, None, None, :]
+
+    def hidden_states(self, input_ids, token_type_ids=None, attention_mask=None):
+        mask = self.attention_mask(attention_mask)
+        h = self.embeddings(input_ids, token_type_ids)
+        for layer in self.layers:
+            h = layer(h, mask)
+        return h
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
+        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
+        logits = self.head(h, self.embeddings.word.weight)
+        if labels is None:
+            return logits
+        return token_loss(logits, labels)
+
+
+def token_loss(vocab_parallel_logits, labels):
+    """Mean cross entropy over the tokens whose label is not -100, with the vocabulary split over
+    tensor-parallel ranks (megatron's vocab-parallel cross entropy)."""
+    keep = labels != -100
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(
+        vocab_parallel_logits.float(), labels.masked_fill(~keep, 0))
+    return (per_token * keep).sum() / keep.sum().clamp(min=1)
