@@ -48,7 +48,8 @@ class Embeddings(nn.Module):
         super().__init__()
         self.arch = cfg.arch
         self.word = tensor_parallel.VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp)
+            cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp,
+            tp_group=parallel_state.get_tensor_model_parallel_group())
         self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         nn.init.normal_(self.position.weight, std=cfg.init_std)
         if cfg.arch == "bert":
@@ -82,10 +83,11 @@ class Attention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.qkv = tensor_parallel.ColumnParallelLinear(
             cfg.hidden_size, 3 * cfg.attention_size, config=mp, init_method=_normal_init(cfg.init_std),
-            bias=True, gather_output=False)
+            bias=True, gather_output=False, tp_group=parallel_state.get_tensor_model_parallel_group())
         self.proj = tensor_parallel.RowParallelLinear(
             cfg.attention_size, cfg.hidden_size, config=mp, init_method=output_init,
-            bias=True, input_is_parallel=True, skip_bias_add=False)
+            bias=True, input_is_parallel=True, skip_bias_add=False,
+            tp_group=parallel_state.get_tensor_model_parallel_group())
 
     def forward(self, x, attn_mask=None):
         batch, seq_len, _ = x.shape
@@ -108,10 +110,11 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = tensor_parallel.ColumnParallelLinear(
             cfg.hidden_size, cfg.ffn_size, config=mp, init_method=_normal_init(cfg.init_std),
-            bias=True, gather_output=False)
+            bias=True, gather_output=False, tp_group=parallel_state.get_tensor_model_parallel_group())
         self.fc2 = tensor_parallel.RowParallelLinear(
             cfg.ffn_size, cfg.hidden_size, config=mp, init_method=output_init,
-            bias=True, input_is_parallel=True, skip_bias_add=False)
+            bias=True, input_is_parallel=True, skip_bias_add=False,
+            tp_group=parallel_state.get_tensor_model_parallel_group())
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x):
@@ -170,7 +173,8 @@ class LMHead(nn.Module):
         if self.arch == "bert":
             h = F.gelu(self.transform(h), approximate=self.gelu_approximate)
         h = self.norm(h)
-        h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        h = tensor_parallel.copy_to_tensor_model_parallel_region(
+            h, group=parallel_state.get_tensor_model_parallel_group())
         logits = F.linear(h, word_embeddings)
         if self.arch == "bert":
             logits = logits + self.bias

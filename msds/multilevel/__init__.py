@@ -1,0 +1,7 @@
+"""Multi-level operators (METHOD.md 1): groupings, coalesce, de-coalesce, interpolate, Adam-moment
+mapping, and the offline `msds map` tool (cli.py)."""
+from msds.multilevel.grouping import Grouping
+from msds.multilevel.operators import (LevelMap, coalesce, decoalesce, interpolate, level_from_scheme,
+                                       plan_level)
+
+__all__ = ["Grouping", "LevelMap", "coalesce", "decoalesce", "interpolate", "level_from_scheme", "plan_level"]
