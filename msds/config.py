@@ -258,3 +258,201 @@ def model_config(preset: Optional[str] = None, **overrides) -> ModelConfig:
         base = dict(MODEL_PRESETS[preset])
     base.update(overrides)
     return from_dict(ModelConfig, base, "model").validate()
+
+
+# --------------------------------------------------------------------------------------------
+# Training run
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DataConfig:
+    """Where the tokenized corpus is and how samples are cut from it."""
+
+    path: str = "data/default-bpe-8192"
+    """Output directory of `msds data prepare`."""
+    seq_len: int = 128
+    """Tokens per sample (GPT windows read seq_len + 1 tokens)."""
+    seed: int = 1234
+    """Seeds the sample order and BERT masking; the order depends only on (seed, epoch, position)."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, run by DeepSpeed. The learning rate of each level is set in `multilevel.levels`."""
+
+    lr: float = 1e-3
+    """Peak learning rate of the full-size model (level 1)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay of each phase ends at this fraction of the phase's peak."""
+    warmup_steps: int = 20
+    """Linear warmup at the start of the run (and of each phase: `multilevel.phase_warmup_steps`)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay on weight matrices (not on biases, norms)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: off)."""
+
+
+@dataclass
+class TrainingConfig:
+    """Batching, precision, the DeepSpeed engine and the stopping rule."""
+
+    micro_batch_size: int = 16
+    """Samples per data-parallel rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; global batch = micro_batch_size * grad_accum * dp size."""
+    steps: int = 100
+    """Optimizer steps of a run without multi-level training (the baseline). With multilevel
+    enabled the run length is the sum of `multilevel.phase_steps` and this must equal it or be 0."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision as DeepSpeed implements it (fp16 with dynamic loss scaling)."""
+    zero_stage: int = 1
+    """ZeRO stage 0-3."""
+    ds_config: str = ""
+    """DeepSpeed JSON to start from; empty = ds_configs/zero{zero_stage}.json. The batch sizes,
+    optimizer, clipping and precision of this config are filled in; values it sets that contradict
+    them are an error."""
+    seed: int = 1234
+    """Seeds weight initialisation and dropout."""
+    exit_after_steps: int = 0
+    """Stop (after checkpointing) once this many steps have run in this process; 0 = never.
+    Lets a job end cleanly before a time limit and resume later."""
+
+
+@dataclass
+class LevelConfig:
+    """One coarser level of the V-cycle, relative to the level above it."""
+
+    hidden: int = 2
+    """Factor by which the hidden size (residual width) shrinks."""
+    heads: int = 2
+    """Factor by which the number of heads shrinks (head_dim is kept)."""
+    ffn: int = 2
+    """Factor by which the MLP width shrinks."""
+    layers: int = 2
+    """Factor by which the number of layers shrinks."""
+    layout: Literal["strided", "adjacent"] = "strided"
+    """Width grouping: strided merges neuron j with j + n/g (the paper), adjacent merges g neighbours."""
+    depth_layout: Literal["adjacent", "strided"] = "adjacent"
+    """Layer grouping: adjacent merges consecutive layers (the paper), strided layer i with i + L/g."""
+    lr: float = 0.0
+    """Peak learning rate at this level; 0 = optimizer.lr times the total width factor."""
+
+
+@dataclass
+class MultilevelConfig:
+    """The V-cycle: levels, how long each phase lasts, and what happens at transitions."""
+
+    enabled: bool = False
+    levels: list[LevelConfig] = field(default_factory=lambda: [LevelConfig()])
+    """Levels 2..K, each relative to the previous; K = len(levels) + 1."""
+    phase_steps: list[int] = field(default_factory=list)
+    """Steps of each phase, in order: level 1, 2, .., K, then K-1, .., 1 (2K - 1 phases per cycle,
+    repeated for each cycle with the shared level-1 phase counted once between cycles)."""
+    cycles: int = 1
+    """How many V-cycles to run."""
+    alpha: float = 0.5
+    """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced."""
+    optimizer_policy: Literal["map", "reset"] = "map"
+    """`map`: transform Adam's moments with the same grouping and keep the step count (default:
+    it decided between a 34% saving and a loss in first measurements, ../TUNING.md). `reset`: fresh
+    optimizer state at every transition, as in the paper."""
+    phase_warmup_steps: int = 10
+    """Linear warmup at the start of every phase after the first."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go; empty = <run_dir>/checkpoints."""
+    interval: int = 0
+    """Save every this many steps (0 = only at the end, at transitions if asked, and on exit)."""
+    at_transitions: bool = False
+    """Also save right after every level transition."""
+    keep: int = 3
+    """Complete checkpoints to keep (older ones are deleted)."""
+    resume: Literal["auto", "never"] = "auto"
+    """`auto`: continue from the latest complete checkpoint in `dir` if there is one."""
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    """Print a progress line every this many steps (metrics.jsonl gets every step)."""
+    eval_interval: int = 50
+    """Validation loss every this many steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (fixed across the run, so evaluations are comparable)."""
+    eval_split: str = "valid"
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    """A training run: everything `msds train` needs, from one YAML file plus overrides."""
+
+    run_dir: str = "runs/default"
+    """Receives config.yaml, metrics.jsonl, TensorBoard events and (by default) checkpoints."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    multilevel: MultilevelConfig = field(default_factory=MultilevelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate("model")
+        positive = {"data.seq_len": self.data.seq_len, "training.micro_batch_size": self.training.micro_batch_size,
+                    "training.grad_accum": self.training.grad_accum,
+                    "logging.interval": self.logging.interval, "logging.eval_batches": self.logging.eval_batches,
+                    "multilevel.cycles": self.multilevel.cycles, "checkpoint.keep": self.checkpoint.keep}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name}: must be positive, got {value}")
+        if self.data.seq_len > self.model.max_positions:
+            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_positions "
+                              f"{self.model.max_positions}")
+        if self.training.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {self.training.zero_stage}")
+        if self.optimizer.lr <= 0:
+            raise ConfigError(f"optimizer.lr: must be positive, got {self.optimizer.lr}")
+        ml = self.multilevel
+        if not ml.enabled:
+            if self.training.steps <= 0:
+                raise ConfigError(f"training.steps: must be positive, got {self.training.steps}")
+            return self
+        if not 0.0 <= ml.alpha <= 1.0:
+            raise ConfigError(f"multilevel.alpha: must be in [0, 1], got {ml.alpha}")
+        if not ml.levels:
+            raise ConfigError("multilevel.levels: at least one coarser level is needed")
+        phases = (2 * len(ml.levels)) * ml.cycles + 1
+        if len(ml.phase_steps) != phases:
+            raise ConfigError(f"multilevel.phase_steps: {len(ml.levels) + 1} levels and {ml.cycles} "
+                              f"cycle(s) need {phases} phases (down, bottom, up), got {len(ml.phase_steps)}")
+        for i, steps in enumerate(ml.phase_steps):
+            if steps <= 0:
+                raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {steps}")
+        if self.training.steps not in (0, sum(ml.phase_steps)):
+            raise ConfigError(f"training.steps: {self.training.steps} differs from the sum of "
+                              f"multilevel.phase_steps ({sum(ml.phase_steps)}); set it to 0 or to that sum")
+        self.training.steps = sum(ml.phase_steps)
+        return self
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """RunConfig from a YAML file plus `key.path=value` overrides, validated."""
+    data = load_yaml(path) if path else {}
+    preset = (data.get("model") or {}).pop("preset", None) if isinstance(data.get("model"), dict) else None
+    for key, value in parse_overrides(list(overrides)):
+        if key == "model.preset":
+            preset = value
+        else:
+            set_by_path(data, key, value)
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset: unknown size {preset!r}; known: {', '.join(MODEL_PRESETS)}")
+        data["model"] = {**MODEL_PRESETS[preset], **(data.get("model") or {})}
+    return from_dict(RunConfig, data).validate()

@@ -33,6 +33,11 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             deepspeed.init_distributed(dist_backend=default_backend(), timeout=timedelta(minutes=30))
         else:
+            # One process: an in-memory store, no port to pick. DeepSpeed reads the launcher's
+            # variables even then, so give it the one-process values.
+            for name in ("RANK", "LOCAL_RANK"):
+                os.environ.setdefault(name, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -1,0 +1,179 @@
+"""DeepSpeed engines for msds models: the ds_config, the engine, and full-tensor access to its
+fp32 weights and Adam moments whatever the ZeRO stage.
+
+DeepSpeed keeps fp32 master weights (and ZeRO partitions of them) that overwrite any in-place edit
+of the module's parameters at the next step (../shared/reference/STACK.md). msds therefore never
+edits a live engine's weights: a transition reads the full tensors out, builds a fresh model from
+the new tensors and a fresh engine around it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_optimizer_state
+
+from msds.config import ConfigError, ModelConfig, RunConfig
+from msds.model.transformer import Transformer
+
+REPO_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _fill(section: dict, key: str, value, path: str) -> None:
+    """Set an "auto" or absent value; a different explicit value contradicts the msds config."""
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value:
+        raise ConfigError(f"training.ds_config: {path} is {current!r} but the msds config says {value!r}; "
+                          f"set it to \"auto\" in the JSON or change the msds config")
+
+
+def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
+    """The DeepSpeed config of one engine: the JSON template with msds's values filled in."""
+    path = Path(cfg.training.ds_config) if cfg.training.ds_config else REPO_DS_CONFIGS / f"zero{cfg.training.zero_stage}.json"
+    if not path.is_file():
+        raise ConfigError(f"training.ds_config: {path} does not exist")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"training.ds_config: {path} is not valid JSON ({exc})") from exc
+    t, o = cfg.training, cfg.optimizer
+    _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train_micro_batch_size_per_gpu")
+    _fill(ds, "gradient_accumulation_steps", t.grad_accum, "gradient_accumulation_steps")
+    if "train_batch_size" in ds and ds["train_batch_size"] != "auto":
+        global_batch = t.micro_batch_size * t.grad_accum * dist.get_world_size()
+        _fill(ds, "train_batch_size", global_batch, "train_batch_size")
+    ds.pop("train_batch_size", None)
+    _fill(ds, "gradient_clipping", o.grad_clip, "gradient_clipping")
+    zero = ds.setdefault("zero_optimization", {})
+    _fill(zero, "stage", t.zero_stage, "zero_optimization.stage")
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if optimizer.get("type", "AdamW").lower() not in ("adamw", "adam"):
+        raise ConfigError(f"training.ds_config: optimizer.type {optimizer['type']!r}; msds trains with "
+                          f"AdamW (its moments are what transitions map)")
+    params = optimizer.setdefault("params", {})
+    # The learning rate is the phase's peak; msds's scheduler scales it every step.
+    params["lr"] = peak_lr
+    _fill(params, "betas", [o.beta1, o.beta2], "optimizer.params.betas")
+    _fill(params, "eps", o.eps, "optimizer.params.eps")
+    _fill(params, "weight_decay", o.weight_decay, "optimizer.params.weight_decay")
+    for name in ("bf16", "fp16"):
+        _fill(ds.setdefault(name, {}), "enabled", t.precision == name, f"{name}.enabled")
+    if "scheduler" in ds:
+        raise ConfigError("training.ds_config: remove the \"scheduler\" section; msds schedules the "
+                          "learning rate per V-cycle phase (optimizer.* and multilevel.* in the msds config)")
+    return ds
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not biases, LayerNorms or the vocabulary bias)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(cfg: RunConfig, model_cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None,
+                 peak_lr: float, lr_lambda):
+    """A fresh model (random init, or `tensors`), wrapped in a fresh DeepSpeed engine."""
+    model = Transformer(model_cfg)
+    if tensors is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(tensors[name])
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=parameter_groups(model, cfg.optimizer.weight_decay),
+        config=ds_config(cfg, peak_lr), dist_init_required=False,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
+    return engine
+
+
+def _plain_optimizer_state(engine, param) -> dict:
+    """ZeRO stage 0 in fp32: the torch optimizer holds the parameter itself."""
+    return engine.optimizer.state[param]
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's full fp32 value on the CPU, gathered one tensor at a time (ZeRO-3 keeps the
+    extra peak memory to one full tensor)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        out[name] = (p.detach() if full is None else full).float().cpu().clone()
+    return out
+
+
+def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's exp_avg and exp_avg_sq of every parameter, full and on the CPU."""
+    out = {key: {} for key in MOMENTS}
+    _link_moments(engine)
+    for name, p in engine.module.named_parameters():
+        for key in MOMENTS:
+            full = safe_get_full_optimizer_state(p, key)
+            if full is None:
+                state = _plain_optimizer_state(engine, p)
+                full = state.get(key, torch.zeros_like(p))
+            out[key][name] = full.float().cpu().clone()
+    return out
+
+
+def optimizer_step_count(engine) -> int:
+    for state in _base_optimizer(engine).state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def _base_optimizer(engine):
+    optimizer = engine.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _materialise_optimizer_state(engine) -> None:
+    """torch's AdamW creates its state at the first step and ZeRO 1/2 link their per-parameter
+    views to it only then; a fresh engine that is to receive mapped moments needs both now."""
+    base = _base_optimizer(engine)
+    flats = [flat for group in base.param_groups for flat in group["params"]]
+    flats += getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])   # ZeRO-3's sub-groups
+    for flat in flats:
+        state = base.state[flat]
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
+                         exp_avg_sq=torch.zeros_like(flat))
+    _link_moments(engine)
+
+
+def _link_moments(engine) -> None:
+    """(Re)build ZeRO 1/2's per-parameter views of the optimizer state. DeepSpeed 0.19.8 links them
+    once, right after the *first* parameter group's first step, so parameters of later groups (here:
+    the no-weight-decay group) see no moments until they are linked again."""
+    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+    """Install full Adam moments and the step count into a fresh engine's (partitioned) state."""
+    _materialise_optimizer_state(engine)
+    base = _base_optimizer(engine)
+    for name, p in engine.module.named_parameters():
+        for key in MOMENTS:
+            value = moments[key][name]
+            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                safe_set_full_optimizer_state(p, value.to(p.device), key)
+            else:
+                base.state[p][key].copy_(value)
+    for state in base.state.values():
+        state["step"] = torch.tensor(float(step))
+
+
+def destroy_engine(engine) -> None:
+    """Release an engine's optimizer, partitions and hooks before the next one is built."""
+    engine.destroy()
+    engine.module = None
+    engine.optimizer = None

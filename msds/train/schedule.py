@@ -1,0 +1,92 @@
+"""The V-cycle as a list of phases, learning rates within a phase, and FLOPs per step."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from msds.config import ModelConfig, RunConfig
+from msds.multilevel.operators import LevelMap, plan_level
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    level: int          # 1 = the full-size model
+    steps: int
+    first_step: int     # global step at which the phase starts
+    peak_lr: float
+    warmup_steps: int
+
+    @property
+    def last_step(self) -> int:
+        return self.first_step + self.steps
+
+
+def level_maps(cfg: RunConfig) -> list[LevelMap]:
+    """maps[k] turns level k+1 into level k+2 (0-based list; level 1 is `cfg.model`)."""
+    maps, large = [], cfg.model
+    if not cfg.multilevel.enabled:
+        return maps
+    for i, level in enumerate(cfg.multilevel.levels):
+        level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
+                               layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
+                               path=f"multilevel.levels[{i}]")
+        maps.append(level_map)
+        large = level_map.small
+    return maps
+
+
+def level_model(cfg: RunConfig, maps: list[LevelMap], level: int) -> ModelConfig:
+    return cfg.model if level == 1 else maps[level - 2].small
+
+
+def peak_lr(cfg: RunConfig, level: int) -> float:
+    """The level's own `lr`, else optimizer.lr times the product of hidden and layer factors down to
+    it (smaller models take a larger learning rate: 4x for half width and half depth, the paper's)."""
+    if level == 1:
+        return cfg.optimizer.lr
+    spec = cfg.multilevel.levels[level - 2]
+    if spec.lr > 0:
+        return spec.lr
+    scale = 1
+    for down in cfg.multilevel.levels[:level - 1]:
+        scale *= down.hidden * down.layers
+    return cfg.optimizer.lr * scale
+
+
+def plan_phases(cfg: RunConfig) -> list[Phase]:
+    if not cfg.multilevel.enabled:
+        return [Phase(0, 1, cfg.training.steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)]
+    depth = len(cfg.multilevel.levels) + 1
+    cycle = list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))   # after the first level-1 phase
+    levels = [1] + cycle * cfg.multilevel.cycles
+    phases, step = [], 0
+    for index, (level, steps) in enumerate(zip(levels, cfg.multilevel.phase_steps)):
+        warmup = cfg.optimizer.warmup_steps if index == 0 else cfg.multilevel.phase_warmup_steps
+        phases.append(Phase(index, level, steps, step, peak_lr(cfg, level), min(warmup, steps)))
+        step += steps
+    return phases
+
+
+def lr_multiplier(phase: Phase, step_in_phase: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay from 1 to `min_ratio` over the rest of the phase."""
+    if step_in_phase < phase.warmup_steps:
+        return (step_in_phase + 1) / phase.warmup_steps
+    span = max(1, phase.steps - phase.warmup_steps)
+    progress = min(1.0, (step_in_phase - phase.warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights that take part in a matrix product per token (biases, norms and the position/type
+    lookups excluded; the tied output head included)."""
+    h, a, f = cfg.hidden_size, cfg.attention_size, cfg.ffn_size
+    per_layer = 3 * a * h + a * h + 2 * f * h
+    head = h * h if cfg.arch == "bert" else 0
+    return cfg.num_layers * per_layer + head + cfg.vocab_size * h
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token (METHOD.md 1.4): 6 x matmul parameters plus the
+    attention score and value products, 12 x layers x attention width x sequence length."""
+    return 6 * matmul_parameters(cfg) + 12 * cfg.num_layers * cfg.attention_size * seq_len
