@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from msds.config import ConfigError
 from msds.errors import MsdsError
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "parity": ("msds.model.parity", "check msds against transformers on the real MiniLM BERT checkpoint"),
     "map": ("msds.multilevel.cli", "coalesce / de-coalesce / interpolate checkpoints offline"),
     "data": ("msds.data.cli", "prepare tokenized corpora"),
+    "train": ("msds.train.loop", "train a model, with or without a V-cycle, under DeepSpeed"),
     "demo": ("msds.demo", "run the main job on its embedded default"),
 }
 
@@ -38,6 +40,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # megatron-core warns at import that apex and Transformer Engine are absent; msds does not need them.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     parser = build_parser(only=command or "")

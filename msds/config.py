@@ -303,9 +303,10 @@ class TrainingConfig:
     """Samples per data-parallel rank per forward/backward."""
     grad_accum: int = 1
     """Micro-batches per optimizer step; global batch = micro_batch_size * grad_accum * dp size."""
-    steps: int = 100
-    """Optimizer steps of a run without multi-level training (the baseline). With multilevel
-    enabled the run length is the sum of `multilevel.phase_steps` and this must equal it or be 0."""
+    steps: int = 0
+    """Optimizer steps of a run without multi-level training (the baseline; required there). With
+    multilevel enabled the run length is the sum of `multilevel.phase_steps`; leave this 0 or set
+    it to that sum."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Mixed precision as DeepSpeed implements it (fp16 with dynamic loss scaling)."""
     zero_stage: int = 1

@@ -114,13 +114,14 @@ class RegistryArchive:
             command = self.fetch_command(Path(scratch))
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-                failure = result.stderr.strip().splitlines()[-1:] if result.returncode else None
+                failure = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1] \
+                    if result.returncode else None
             except (OSError, subprocess.TimeoutExpired) as exc:
-                failure = [str(exc)]
+                failure = str(exc)
             downloaded = Path(scratch) / self.filename
             if failure is not None or not downloaded.exists():
                 manual = " ".join(self.fetch_command(cache_dir))
-                reason = failure[0] if failure else f"it did not produce {self.filename}"
+                reason = failure or f"it did not produce {self.filename}"
                 raise MsdsError(f"could not download {self.requirement} ({reason}); with network "
                                 f"access, run: {manual}  and then rerun this command")
             os.replace(downloaded, cache_dir / self.filename)

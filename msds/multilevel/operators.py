@@ -272,9 +272,9 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
                     raise MsdsError(f"layers.{group[0]}.{suffix}: layers {group} have different shapes "
                                     f"{[tuple(t.shape) for t in members]}; layers that merge must agree")
                 axes = _grouped_axes(names[group[0]], members[0], roles[names[group[0]]], level, large=True)
-                stacked = torch.stack(members)
-                merged = coalesce_tensor(stacked, [(0, whole_group)] + [(d + 1, g) for d, g, _ in axes],
-                                         _scale(axes, depth.factor, kind))
+                # Width first, layer by layer, then the layer mean over the (smaller) results.
+                narrow = [coalesce_tensor(t, [(d, g) for d, g, _ in axes], _scale(axes, 1, kind)) for t in members]
+                merged = coalesce_tensor(torch.stack(narrow), [(0, whole_group)], _scale([], depth.factor, kind))
                 out[f"layers.{small_layer}.{suffix}"] = merged.squeeze(0)
     return _ordered(out, level.small)
 

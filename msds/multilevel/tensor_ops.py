@@ -28,26 +28,37 @@ def _split_axis(t: torch.Tensor, dim: int, units: int) -> torch.Tensor:
     return t.unflatten(dim, (units, t.shape[dim] // units))
 
 
+def _grouped(t: torch.Tensor, dim: int, grouping: Grouping) -> tuple[torch.Tensor, int]:
+    """`t` with axis `dim` as (small-unit dims..., factor, ...block): a view for the adjacent and
+    strided layouts (no copy), a gather for explicit groups. Returns it and the factor's dim;
+    summing that dim away leaves the small units in order, in the dims from `dim` on."""
+    blocks = _split_axis(t, dim, grouping.units)
+    factor, shards = grouping.factor, grouping.shards
+    if grouping.layout == "adjacent":                     # unit = factor * i + j
+        return blocks.unflatten(dim, (grouping.small_units, factor)), dim + 1
+    if grouping.layout == "strided":                      # unit = chunk * k + per_shard * j + i
+        return blocks.unflatten(dim, (shards, factor, grouping.small_units // shards)), dim + 1
+    members = grouping.members().to(t.device)
+    gathered = blocks.index_select(dim, members.flatten())
+    return gathered.unflatten(dim, tuple(members.shape)), dim + 1
+
+
 def coalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) -> torch.Tensor:
     """scale * groupmean of `t` over every (dim, grouping) in `axes`; a new tensor, `t` untouched."""
-    out, merged = t, 1
+    out = t
     for dim, grouping in axes:
         dim = dim % out.dim()
-        members = grouping.members().to(out.device)
-        small, factor = members.shape
-        blocks = _split_axis(out, dim, grouping.units)
-        gathered = blocks.index_select(dim, members.flatten())           # group members side by side
-        summed = gathered.unflatten(dim, (small, factor)).sum(dim + 1)
-        out = summed.flatten(dim, dim + 1)
-        merged *= factor
+        grouped, factor_dim = _grouped(out, dim, grouping)
+        # The mean as first + mean(rest - first): exact when the members are equal, so coalescing
+        # copies (de-coalesced weights, duplicated layers) gives them back bit for bit for any g.
+        first = grouped.narrow(factor_dim, 0, 1)
+        rest = grouped.narrow(factor_dim, 1, grouping.factor - 1)
+        mean = (rest - first).sum(factor_dim, keepdim=True).div_(grouping.factor).add_(first)
+        mean = mean.squeeze(factor_dim)                   # small-unit dims and block, from dim on
+        out = mean.flatten(dim, dim + mean.dim() - out.dim())
     if out is t:
         out = t.clone()
-    # Divide rather than multiply by 1/g when possible: a mean of g equal values is then exact.
-    if scale == 1:
-        out = out.div_(merged) if merged != 1 else out
-    elif scale != merged:
-        out = out.mul_(scale / merged)
-    return out
+    return out.mul_(scale) if scale != 1 else out
 
 
 def decoalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) -> torch.Tensor:
@@ -55,9 +66,18 @@ def decoalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) 
     out = t
     for dim, grouping in axes:
         dim = dim % out.dim()
-        owner = grouping.owner().to(out.device)
         blocks = _split_axis(out, dim, grouping.small_units)
-        out = blocks.index_select(dim, owner).flatten(dim, dim + 1)
+        if grouping.layout == "explicit":
+            out = blocks.index_select(dim, grouping.owner().to(out.device)).flatten(dim, dim + 1)
+            continue
+        # The inverse of _grouped's views: broadcast a factor dim of copies, then one copy out.
+        if grouping.layout == "strided":
+            blocks = blocks.unflatten(dim, (grouping.shards, grouping.small_units // grouping.shards))
+        copies = blocks.unsqueeze(dim + 1)
+        shape = list(copies.shape)
+        shape[dim + 1] = grouping.factor
+        expanded = copies.expand(shape)
+        out = expanded.flatten(dim, dim + expanded.dim() - out.dim())
     if out is t:
         out = t.clone()
     return out.div_(scale) if scale != 1 else out

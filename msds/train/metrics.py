@@ -1,0 +1,73 @@
+"""Run metrics: a console progress line, a JSONL file and TensorBoard events (rank 0 writes)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Every event goes to metrics.jsonl as one JSON object with an `event` field: `step`, `eval`,
+    `transition`, `checkpoint`, `resume`. Steps are printed every `interval` steps."""
+
+    def __init__(self, run_dir: Path, enabled: bool, interval: int, total_steps: int, tensorboard: bool):
+        self.enabled, self.interval, self.total_steps = enabled, interval, total_steps
+        self.writer = None
+        self.file = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / METRICS_FILE, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _write(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self.file.write(json.dumps(record) + "\n")
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": "step", **record})
+        step = record["step"]
+        if self.writer:
+            for key in ("loss", "lr", "level", "tokens_per_s", "flops", "train_seconds"):
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+        if step % self.interval == 0 or step == self.total_steps:
+            print(f"step {step:>6}/{self.total_steps} | level {record['level']} | loss {record['loss']:.4f} "
+                  f"| lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | {record['flops']:.3e} FLOPs "
+                  f"| {record['train_seconds']:.1f} s", flush=True)
+
+    def eval(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": "eval", **record})
+        if self.writer:
+            self.writer.add_scalar("eval/loss", record["val_loss"], record["step"])
+            self.writer.add_scalar("eval/perplexity", record["val_ppl"], record["step"])
+            self.writer.add_scalar("eval/loss_vs_flops", record["val_loss"], int(record["flops"] / 1e6))
+        print(f"eval at step {record['step']}: level {record['level']} | val loss {record['val_loss']:.4f} "
+              f"| ppl {record['val_ppl']:.2f}", flush=True)
+
+    def event(self, kind: str, record: dict, message: str) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": kind, **record})
+        print(message, flush=True)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+        if self.file:
+            self.file.close()
+
+
+def read_metrics(run_dir: Path, event: str | None = None) -> list[dict]:
+    """The records of a run's metrics.jsonl (optionally of one event kind)."""
+    path = Path(run_dir) / METRICS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if event is None or r["event"] == event]

@@ -1,0 +1,135 @@
+"""Level transitions: the one place where a run changes levels.
+
+Down (coalesce): read the engine's full fp32 weights (and Adam moments under the `map` policy) one
+tensor at a time, keep this rank's partition of them in host memory for the interpolation on the
+way back up, coalesce, and build the smaller model and a fresh engine around it.
+
+Up (de-coalesce + interpolate): read the small model's full weights, de-coalesce them, interpolate
+each rank's partition with the saved large partition, all-gather the result, and build the larger
+model and its engine.
+
+The old engine is destroyed before the new one is built. Weights are never written into a live
+engine: DeepSpeed's fp32 master copies would overwrite such edits at the next step.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from msds.multilevel.operators import LevelMap, coalesce, decoalesce, interpolate
+from msds.train.engine import MOMENTS, build_engine, destroy_engine, full_moments, full_weights, \
+    optimizer_step_count, set_moments
+
+
+@dataclass
+class SavedLevel:
+    """This rank's share of a large model's state, kept from coalescing until de-coalescing."""
+
+    level: int
+    shapes: dict[str, tuple[int, ...]]
+    weights: dict[str, torch.Tensor]
+    moments: Optional[dict[str, dict[str, torch.Tensor]]] = None
+    val_loss: Optional[float] = None
+
+    def state_dict(self) -> dict:
+        return {"level": self.level, "shapes": self.shapes, "weights": self.weights,
+                "moments": self.moments, "val_loss": self.val_loss}
+
+
+@dataclass
+class TransitionRecord:
+    direction: str
+    from_level: int
+    to_level: int
+    seconds: float
+    details: dict = field(default_factory=dict)
+
+
+def _dp_group():
+    return parallel_state.get_data_parallel_group()
+
+
+def _partition(tensor: torch.Tensor) -> torch.Tensor:
+    """This data-parallel rank's contiguous chunk of the flattened tensor (chunks padded equal)."""
+    world, rank = dist.get_world_size(_dp_group()), dist.get_rank(_dp_group())
+    flat = tensor.reshape(-1)
+    size = -(-flat.numel() // world)
+    return flat[rank * size:(rank + 1) * size].clone()
+
+
+def _gather(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's `_partition` of it."""
+    world = dist.get_world_size(_dp_group())
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = -(-numel // world)
+    padded = torch.zeros(size, dtype=part.dtype)
+    padded[:part.numel()] = part
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=_dp_group())
+    return torch.cat(pieces)[:numel].reshape(shape)
+
+
+def _partitions(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: _partition(t) for name, t in tensors.items()}
+
+
+def coalesce_engine(engine, run_cfg, level_map: LevelMap, level: int, peak_lr: float, lr_lambda,
+                    map_moments: bool, val_loss: Optional[float]):
+    """Level `level` -> `level + 1`. Returns (new engine, SavedLevel to keep, record)."""
+    start = time.perf_counter()
+    weights = full_weights(engine)
+    moments = full_moments(engine) if map_moments else None
+    step = optimizer_step_count(engine)
+    saved = SavedLevel(level=level, shapes={n: tuple(t.shape) for n, t in weights.items()},
+                       weights=_partitions(weights), val_loss=val_loss,
+                       moments={k: _partitions(v) for k, v in moments.items()} if moments else None)
+    small = coalesce(weights, level_map)
+    small_moments = {k: coalesce(moments[k], level_map, kind=k) for k in MOMENTS} if moments else None
+    del weights, moments
+    destroy_engine(engine)
+    del engine
+    gc.collect()
+    new_engine = build_engine(run_cfg, level_map.small, small, peak_lr, lr_lambda)
+    if small_moments is not None:
+        set_moments(new_engine, small_moments, step)
+    record = TransitionRecord("down", level, level + 1, time.perf_counter() - start)
+    return new_engine, saved, record
+
+
+def decoalesce_engine(engine, run_cfg, level_map: LevelMap, saved: SavedLevel, alpha: float,
+                      peak_lr: float, lr_lambda, map_moments: bool):
+    """Level `saved.level + 1` -> `saved.level`, interpolating with the saved large state."""
+    start = time.perf_counter()
+    small = full_weights(engine)
+    small_moments = full_moments(engine) if map_moments else None
+    step = optimizer_step_count(engine)
+    destroy_engine(engine)
+    del engine
+    gc.collect()
+
+    def upsample(tensors: dict[str, torch.Tensor], saved_parts: dict[str, torch.Tensor], kind: str):
+        large = decoalesce(tensors, level_map, kind=kind)
+        mixed = interpolate(_partitions(large), saved_parts, alpha)
+        return {name: _gather(mixed[name], saved.shapes[name]) for name in saved.shapes}
+
+    weights = upsample(small, saved.weights, "param")
+    moments = None
+    if small_moments is not None:
+        if saved.moments is None:
+            raise RuntimeError("map policy: the saved level has no moments to interpolate with")
+        moments = {k: upsample(small_moments[k], saved.moments[k], k) for k in MOMENTS}
+    del small, small_moments
+    new_engine = build_engine(run_cfg, level_map.large, weights, peak_lr, lr_lambda)
+    if moments is not None:
+        set_moments(new_engine, moments, step)
+    record = TransitionRecord("up", saved.level + 1, saved.level, time.perf_counter() - start,
+                              {"alpha": alpha})
+    return new_engine, record
