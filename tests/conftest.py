@@ -20,3 +20,18 @@ def one_process_parallel_state():
     init_distributed()
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture(scope="session")
+def train_corpus():
+    """The real default corpus with a 1024-entry BPE (GPT and BERT specials), prepared once and
+    cached across sessions; `msds data prepare` does nothing when it is already up to date."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cache = Path(os.environ.get("MSDS_TEST_CACHE", Path.home() / ".cache" / "msds" / "test-data"))
+    out = cache / "default-bpe-1024"
+    subprocess.run([sys.executable, "-m", "msds.cli", "data", "prepare", "--tokenizer", "bpe-1024",
+                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return out

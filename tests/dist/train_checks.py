@@ -1,0 +1,56 @@
+"""Two-process (gloo) training checks, run by tests/test_train.py as one torchrun launch:
+
+    torchrun --nproc_per_node 2 tests/dist/train_checks.py CORPUS_DIR WORK_DIR RESULTS_JSON
+
+Every check trains in this one process group, so the launch cost is paid once. Rank 0 writes the
+run summaries and per-step losses to RESULTS_JSON; tests/test_train.py asserts on them.
+"""
+import json
+import math
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+from msds.config import load_run_config  # noqa: E402
+from msds.train.loop import train  # noqa: E402
+from msds.train.metrics import read_metrics  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(name, arch, corpus, work, *overrides):
+    recipe = REPO / "recipes" / f"test-vcycle-{arch}.yaml"
+    cfg = load_run_config(recipe, [f"data.path={corpus}", f"run_dir={work / name}", "logging.tensorboard=false",
+                                   *overrides])
+    summary = train(cfg)
+    dist.barrier()
+    return {"summary": {"final_val_loss": summary.final_val_loss, "exited_early": summary.exited_early,
+                        "state": asdict(summary.state), "transitions": summary.transitions},
+            "losses": {r["step"]: r["loss"] for r in read_metrics(work / name, "step")}}
+
+
+def main(corpus, work, results_path):
+    corpus, work = Path(corpus), Path(work)
+    results = {}
+    for arch in ("gpt", "bert"):
+        for stage in (1, 2, 3):
+            results[f"{arch}-zero{stage}"] = run(f"{arch}-zero{stage}", arch, corpus, work,
+                                                 f"training.zero_stage={stage}", "checkpoint.at_transitions=true")
+    results["gpt-alpha0"] = run("gpt-alpha0", "gpt", corpus, work, "training.zero_stage=2", "multilevel.alpha=0.0")
+    for stage in (1, 3):   # stop right after the second transition (step 12), then resume
+        name = f"gpt-zero{stage}-resumed"
+        first = run(name, "gpt", corpus, work, f"training.zero_stage={stage}", "checkpoint.at_transitions=true",
+                    "training.exit_after_steps=12")
+        second = run(name, "gpt", corpus, work, f"training.zero_stage={stage}", "checkpoint.at_transitions=true")
+        results[name] = {"first": first, "second": second}
+    if dist.get_rank() == 0:
+        Path(results_path).write_text(json.dumps(results, indent=1, default=lambda x: None if x != x or math.isinf(x) else x))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,145 @@
+"""The DeepSpeed trainer: V-cycles on 2 processes with ZeRO 1/2/3, exact resume, memory across
+transitions, and bad input caught before training."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from msds.cli import main as msds_main
+from msds.config import ConfigError, load_run_config
+from msds.train import checkpointing
+from msds.train.loop import train
+from msds.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
+
+
+@pytest.fixture(scope="module")
+def two_process_results(train_corpus, tmp_path_factory):
+    work = tmp_path_factory.mktemp("dist")
+    results = work / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "dist" / "train_checks.py"), str(train_corpus), str(work),
+                           str(results)], env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_three_level_vcycle_on_two_processes(two_process_results, arch, stage):
+    result = two_process_results[f"{arch}-zero{stage}"]
+    losses = result["losses"]
+    assert len(losses) == 30 and all(math.isfinite(v) for v in losses.values())
+    transitions = result["summary"]["transitions"]
+    assert [(t["direction"], t["from_level"], t["to_level"]) for t in transitions] == \
+        [("down", 1, 2), ("down", 2, 3), ("up", 3, 2), ("up", 2, 1)]
+    for t in transitions:
+        assert math.isfinite(t["loss_before"]) and math.isfinite(t["loss_after"])
+    for t in transitions[2:]:  # the recipe's alpha: reported next to the loss before coalescing
+        assert t["alpha"] == 0.5 and math.isfinite(t["loss_before_coalescing"])
+    assert math.isfinite(result["summary"]["final_val_loss"])
+
+
+def test_zero_stages_train_the_same_model(two_process_results):
+    for arch in ("gpt", "bert"):
+        reference = two_process_results[f"{arch}-zero1"]["losses"]
+        for stage in (2, 3):
+            other = two_process_results[f"{arch}-zero{stage}"]["losses"]
+            assert max(abs(reference[k] - other[k]) for k in reference) < 1e-4
+
+
+def test_alpha_zero_restores_the_saved_large_model(two_process_results):
+    ups = [t for t in two_process_results["gpt-alpha0"]["summary"]["transitions"] if t["direction"] == "up"]
+    assert len(ups) == 2
+    for t in ups:
+        assert abs(t["loss_after"] - t["loss_before_coalescing"]) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_right_after_a_transition_reproduces_losses(two_process_results, stage):
+    uninterrupted = two_process_results[f"gpt-zero{stage}"]["losses"]
+    resumed = two_process_results[f"gpt-zero{stage}-resumed"]
+    assert resumed["first"]["summary"]["exited_early"]
+    assert resumed["first"]["summary"]["state"]["step"] == 12
+    assert resumed["second"]["losses"] == uninterrupted
+
+
+def tiny_cfg(corpus, run_dir, *overrides):
+    return load_run_config(RECIPE, [f"data.path={corpus}", f"run_dir={run_dir}", "logging.tensorboard=false",
+                                    *overrides])
+
+
+def test_ten_transitions_keep_memory_flat(train_corpus, tmp_path):
+    cfg = tiny_cfg(train_corpus, tmp_path / "run", "multilevel.levels=[{}]", "multilevel.cycles=5",
+                   "multilevel.phase_steps=[2,2,2,2,2,2,2,2,2,2,2]", "logging.eval_batches=1")
+    summary = train(cfg)
+    assert len(summary.transitions) == 10
+    # The first transitions allocate what every later one reuses (allocator pools, JIT caches).
+    settled, last = summary.transitions[1]["rss_mb_after"], summary.transitions[-1]["rss_mb_after"]
+    assert last < 1.05 * settled, (settled, last)
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_previous(train_corpus, tmp_path, capsys):
+    base = ["multilevel.enabled=false", "training.steps=8", "checkpoint.interval=3", "training.exit_after_steps=7"]
+    train(tiny_cfg(train_corpus, tmp_path / "run", *base))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step00000003", "step00000006", "step00000007"]
+    victim = next(p for p in sorted((ckpts / "step00000007").rglob("*.pt")))
+    victim.write_bytes(victim.read_bytes()[:100])
+    capsys.readouterr()
+    summary = train(tiny_cfg(train_corpus, tmp_path / "run", *base[:3]))
+    out = capsys.readouterr().out
+    assert "step00000007 skipped: " in out and "truncated or altered" in out
+    assert "resumed from" in out and "step00000006" in out
+    assert summary.state.step == 8
+    resumes = read_metrics(tmp_path / "run", "resume")
+    assert resumes[-1]["step"] == 6
+
+
+def test_partial_checkpoint_is_not_resumed(train_corpus, tmp_path):
+    train(tiny_cfg(train_corpus, tmp_path / "run", "multilevel.enabled=false", "training.steps=4",
+                   "training.exit_after_steps=2"))
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step00000002" / "msds" / checkpointing.COMPLETE).unlink()   # as if a rank died mid-save
+    assert checkpointing.find_resumable(ckpts, 1, print) is None
+
+
+@pytest.mark.parametrize("override,message", [
+    ("training.stepz=3", r"^training\.stepz: unknown key"),
+    ("multilevel.phase_steps=[6,0,6,6,6]", r"^multilevel\.phase_steps\[1\]: must be positive"),
+    ("multilevel.levels=[{hidden: 3}]", r"multilevel\.levels\[0\]\.hidden: factor 3 does not divide hidden_size 64"),
+    ("multilevel.alpha=1.5", r"^multilevel\.alpha: must be in \[0, 1\]"),
+])
+def test_bad_config_is_one_clear_error(train_corpus, tmp_path, capsys, override, message):
+    import re
+
+    args = ["train", "--config", str(RECIPE), f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}", override]
+    if "levels" in override:
+        args.append("multilevel.phase_steps=[6,6,6]")
+    assert msds_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0].split("error: ", 1)[1]), err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_ds_config_that_contradicts_msds_config(train_corpus, tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = 7
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cfg = tiny_cfg(train_corpus, tmp_path / "run", f"training.ds_config={tmp_path / 'ds.json'}")
+    with pytest.raises(ConfigError, match=r"training.ds_config: train_micro_batch_size_per_gpu is 7 but the msds "
+                                          r"config says 4"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_vocabulary_smaller_than_tokenizer(train_corpus, tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size: 512 is smaller than the tokenizer's vocabulary \(1024\)"):
+        train(tiny_cfg(train_corpus, tmp_path / "run", "model.vocab_size=512"))
