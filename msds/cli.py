@@ -39,10 +39,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _without_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher passes --local_rank=N first; msds reads LOCAL_RANK from the environment."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith(("--local_rank", "--local-rank")):
+            skip = "=" not in arg
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     # megatron-core warns at import that apex and Transformer Engine are absent; msds does not need them.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _without_local_rank(list(sys.argv[1:] if argv is None else argv))
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     parser = build_parser(only=command or "")
     args = parser.parse_args(argv)

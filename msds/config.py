@@ -320,6 +320,9 @@ class TrainingConfig:
     exit_after_steps: int = 0
     """Stop (after checkpointing) once this many steps have run in this process; 0 = never.
     Lets a job end cleanly before a time limit and resume later."""
+    exit_signal: str = "SIGUSR1"
+    """On this signal (e.g. Slurm's `--signal=USR1@120` before the time limit) every rank finishes
+    its step, the run checkpoints and exits cleanly; `resume: auto` continues it. Empty = off."""
 
 
 @dataclass

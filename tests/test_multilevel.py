@@ -92,7 +92,8 @@ def test_grouping_layouts_follow_the_definitions():
     # two shards: each small shard (2 small units) comes from one large shard (4 units)
     sharded = Grouping(8, 2, "strided", shards=2)
     assert sharded.members().tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert sharded.shard_local(2, 1).members().tolist() == [[0, 2], [1, 3]]
+    assert sharded.shard_local(2, 1) == Grouping(4, 2, "strided")
+    assert Grouping(8, 2, "strided", shards=4).shard_local(2, 1).members().tolist() == [[0, 1], [2, 3]]
     for grouping in (sharded, Grouping(12, 3, "adjacent", shards=2), Grouping.from_groups([[2, 0], [1, 3]], 4, "x")):
         members, owner = grouping.members(), grouping.owner()
         assert sorted(members.flatten().tolist()) == list(range(grouping.units))
@@ -274,6 +275,13 @@ def test_shard_local_pieces_match_the_full_mapping():
         local = level.shard_local(tp, rank)
         assert max_diff(coalesce(piece(large, rank), local), piece(small, rank)) == 0.0
         assert max_diff(decoalesce(piece(small, rank), local), piece(decoalesce(small, level), rank)) == 0.0
+    # pipeline stages: layers 0-1 with the embeddings, layers 2-3 with the head, under global names
+    for stage, (first, last) in enumerate(((0, 1), (2, 3))):
+        keep = [n for n in large if (n.startswith("embeddings") if stage == 0 else n.startswith("head"))
+                or any(n.startswith(f"layers.{i}.") for i in (first, last))]
+        stage_small = coalesce({n: large[n] for n in keep}, level)
+        assert max_diff(stage_small, {n: small[n] for n in stage_small}) == 0.0
+        assert any(n.startswith(f"layers.{stage}.") for n in stage_small)
 
 
 # --------------------------------------------------------------------------------------------

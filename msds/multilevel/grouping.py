@@ -118,6 +118,8 @@ class Grouping:
             raise ConfigError(
                 f"grouping: its groups cross the {shards} shards (e.g. the authors' head i with "
                 f"i + n/2); plan the level with shards={shards} so that each shard coalesces alone")
+        if self.layout != "explicit" and self.shards % shards == 0:     # same layout: views, no gather
+            return Grouping(chunk, self.factor, self.layout, shards=self.shards // shards)
         return Grouping.from_groups(local.tolist(), chunk, "grouping")
 
     def to_dict(self) -> dict:

@@ -258,8 +258,9 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
         out[name] = coalesce_tensor(tensor, [(d, g) for d, g, _ in axes], _scale(axes, 1, kind))
     if depth is not None:
         whole_group = Grouping(units=depth.factor, factor=depth.factor, layout="adjacent")
+        groups = depth.members().tolist()
         for suffix, names in by_suffix.items():
-            for small_layer, group in enumerate(depth.members().tolist()):
+            for small_layer, group in enumerate(groups):
                 present = [layer for layer in group if layer in names]
                 if not present:
                     continue                                       # another pipeline stage's group

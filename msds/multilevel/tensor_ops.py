@@ -8,9 +8,13 @@ of the fused QKV output is 3 * head_dim rows, one of the projection's input is h
 - `coalesce_tensor`: scale * (mean over each group, on every grouped axis);
 - `decoalesce_tensor`: (copy of each small unit into every unit of its group) / scale.
 
+The adjacent and strided layouts are reshaped views (no gather); explicit groups use index_select.
 The scale carries the rule (operators.py): a parameter's input-side axes sum (scale = product of
 their factors), Adam's moments get the product of the output-side factors (squared for the second
-moment). With the same scale, coalesce_tensor(decoalesce_tensor(t)) == t.
+moment). With the same scale, coalesce_tensor(decoalesce_tensor(t)) == t up to rounding of the
+division by the scale (bit for bit when the scale is 1 or a power of 2).
+
+This module is the one place for per-tensor work, so that other devices' kernels can take over here.
 """
 from __future__ import annotations
 

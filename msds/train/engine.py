@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_optimizer_state
@@ -62,6 +63,9 @@ def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
     _fill(params, "betas", [o.beta1, o.beta2], "optimizer.params.betas")
     _fill(params, "eps", o.eps, "optimizer.params.eps")
     _fill(params, "weight_decay", o.weight_decay, "optimizer.params.weight_decay")
+    if t.precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"training.precision: fp16 is not supported by DeepSpeed's "
+                          f"{get_accelerator().device_name()} accelerator; use bf16 or fp32 here")
     for name in ("bf16", "fp16"):
         _fill(ds.setdefault(name, {}), "enabled", t.precision == name, f"{name}.enabled")
     if "scheduler" in ds:

@@ -10,8 +10,10 @@ the same samples in the same order.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import resource
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -193,6 +195,28 @@ class Trainer:
             self.save(engine, "transition")
         return engine
 
+    # -- stopping on a signal -----------------------------------------------------------------
+
+    def install_exit_signal(self) -> None:
+        self.signalled = False
+        name = self.cfg.training.exit_signal
+        if not name:
+            return
+        if not hasattr(signal, name):
+            raise ConfigError(f"training.exit_signal: {name!r} is not a signal name (e.g. SIGUSR1, SIGTERM)")
+
+        def note(signum, frame):
+            self.signalled = True
+            print(f"rank {self.rank}: received {name}; checkpointing after this step", flush=True)
+
+        signal.signal(getattr(signal, name), note)
+
+    def any_rank_signalled(self) -> bool:
+        """The signal may reach only some ranks; all of them must stop at the same step."""
+        flag = torch.tensor([1.0 if self.signalled else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
@@ -204,14 +228,18 @@ class Trainer:
             self.say(f"training {cfg.model.arch} for {cfg.training.steps} steps in {len(self.phases)} phase(s) "
                      f"on {self.world} process(es), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
+        self.install_exit_signal()
         steps_here, exited_early = 0, False
         total = cfg.training.steps
         while self.state.step < total:
             if self.state.step == self.phase.last_step:
                 engine = self.transition(engine)
                 continue
-            if cfg.training.exit_after_steps and steps_here >= cfg.training.exit_after_steps:
-                self.save(engine, "exit_after_steps")
+            stop = "exit_after_steps" if cfg.training.exit_after_steps and steps_here >= cfg.training.exit_after_steps \
+                else cfg.training.exit_signal if self.any_rank_signalled() else None
+            if stop:
+                self.save(engine, stop)
+                self.say(f"stopped at step {self.state.step} ({stop}); run again with the same config to resume")
                 exited_early = True
                 break
             start = time.perf_counter()
@@ -268,10 +296,8 @@ def _run(args) -> int:
 
 def add_parser(subparsers, name: str, doc: str) -> None:
     parser = subparsers.add_parser(name, help=doc, description=__doc__,
-                                   formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=False, help="YAML run config (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override config fields, e.g. training.zero_stage=3 multilevel.alpha=0.25")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help=__import__("argparse").SUPPRESS)   # passed by the deepspeed launcher
     parser.set_defaults(run=_run)
