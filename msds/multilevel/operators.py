@@ -303,13 +303,17 @@ def decoalesce(small_tensors: dict[str, torch.Tensor], level: LevelMap,
     return _ordered(out, level.large)
 
 
+def check_alpha(alpha) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha: {alpha!r} is outside [0, 1]; 0 keeps the saved large weights, "
+                          f"1 takes the de-coalesced ones (the paper uses 0.25-0.5)")
+
+
 def interpolate(decoalesced: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
                 alpha: float) -> dict[str, torch.Tensor]:
     """(1 - alpha) * saved + alpha * decoalesced, per tensor. torch.lerp is exact at both ends:
     alpha = 0 returns the saved weights bit for bit, alpha = 1 the de-coalesced ones."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"alpha: {alpha!r} is outside [0, 1]; 0 keeps the saved large weights, "
-                          f"1 takes the de-coalesced ones (the paper uses 0.25-0.5)")
+    check_alpha(alpha)
     for name in list(decoalesced) + list(saved):
         if name not in saved or name not in decoalesced:
             which = "saved" if name not in saved else "de-coalesced"

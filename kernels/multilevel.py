@@ -1,0 +1,149 @@
+"""Triton kernels for the multi-level operators on a 2-D tensor: one pass, no intermediates.
+
+A tensor's rows and columns are each grouped (or not) by an element-level index map
+(kernels.index_maps), so adjacent, strided, block, shard-local and explicit groupings all run the
+same two kernels:
+
+- `coalesce`: every program computes a (BLOCK_R, BLOCK_C) tile of the small output, gathering the
+  row_factor * col_factor large elements behind each output element, and stores
+  scale * (column-group mean of the row-group means) in the output dtype. Accumulation is fp32.
+  The means are taken as first + sum(rest - first) / factor, the reference's formula, so coalescing
+  copies returns them bit for bit and fp32 results agree with the reference (tensor_ops) to rounding.
+- `decoalesce`: every program computes a tile of the large output, gathering
+  small[row_owner[i], col_owner[j]] / scale, rounded to the tensor dtype like the reference's
+  de-coalesced tensor, and - in the same pass - interpolates with the saved large tensor:
+  out = lerp(saved, that, alpha). The lerp is torch's: fma(alpha, end - start, start) for
+  alpha < 0.5, else fma(alpha - 1, end - start, end), which is exactly torch.lerp on the CPU (its
+  vectorised kernel uses this fma form) and exact at both ends: alpha = 0 gives saved, alpha = 1 the
+  de-coalesced tensor, bit for bit.
+
+The division by the scale is a true division (the CPU reference's); torch on CUDA divides by a
+scalar as a multiplication by its reciprocal, which can differ by 1 ulp in fp32 when the scale is not
+a power of two. Everything else is in the tensor dtype at the end only: bf16/fp16 results are the
+fp32 result rounded once, where the reference rounds after every step (differences of an ulp or two
+of the low-precision dtype).
+
+Importing this module imports triton; use kernels.dispatch, which imports it only when needed.
+Under TRITON_INTERPRET=1 (set before this import) the kernels run on CPU tensors, for the tests.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.index_maps import member_index, owner_index
+from msds.multilevel.grouping import Grouping
+
+# Tile shapes: 16 rows x 128 contiguous columns keeps every warp's loads and stores coalesced on
+# the large tensor; the tests pass smaller tiles to put tile edges everywhere.
+DEFAULT_TILE = (16, 128)
+
+
+@triton.jit
+def _row_group_mean(src, row_members, rows, row_ok, col_offsets, ok, src_stride_r,
+                    ROW_FACTOR: tl.constexpr):
+    """fp32 tile: for each output row, the mean over its row group of src at the (already
+    gathered) column offsets, as first + sum(rest - first) / factor."""
+    first_row = tl.load(row_members + rows * ROW_FACTOR, mask=row_ok, other=0).to(tl.int64)
+    first = tl.load(src + first_row[:, None] * src_stride_r + col_offsets[None, :], mask=ok,
+                    other=0.0).to(tl.float32)
+    if ROW_FACTOR > 1:
+        spread = tl.zeros_like(first)
+        for member in tl.static_range(1, ROW_FACTOR):
+            row = tl.load(row_members + rows * ROW_FACTOR + member, mask=row_ok, other=0).to(tl.int64)
+            value = tl.load(src + row[:, None] * src_stride_r + col_offsets[None, :], mask=ok,
+                            other=0.0).to(tl.float32)
+            spread += value - first
+        first = spread / ROW_FACTOR + first
+    return first
+
+
+@triton.jit
+def _coalesce_kernel(src, out, row_members, col_members, out_rows, out_cols,
+                     src_stride_r, src_stride_c, scale,
+                     ROW_FACTOR: tl.constexpr, COL_FACTOR: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < out_rows
+    col_ok = cols < out_cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    # Rows first, then columns: the reference's order (dim 0, then dim 1).
+    first_col = tl.load(col_members + cols * COL_FACTOR, mask=col_ok, other=0).to(tl.int64)
+    mean = _row_group_mean(src, row_members, rows, row_ok, first_col * src_stride_c, ok,
+                           src_stride_r, ROW_FACTOR)
+    if COL_FACTOR > 1:
+        spread = tl.zeros_like(mean)
+        for member in tl.static_range(1, COL_FACTOR):
+            col = tl.load(col_members + cols * COL_FACTOR + member, mask=col_ok, other=0).to(tl.int64)
+            spread += _row_group_mean(src, row_members, rows, row_ok, col * src_stride_c, ok,
+                                      src_stride_r, ROW_FACTOR) - mean
+        mean = spread / COL_FACTOR + mean
+    out_offsets = rows.to(tl.int64)[:, None] * out_cols + cols[None, :]
+    tl.store(out + out_offsets, (mean * scale).to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _decoalesce_kernel(small, saved, out, row_owner, col_owner, out_rows, out_cols,
+                       small_stride_r, small_stride_c, saved_stride_r, saved_stride_c,
+                       scale, alpha, INTERPOLATE: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < out_rows
+    col_ok = cols < out_cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    src_row = tl.load(row_owner + rows, mask=row_ok, other=0).to(tl.int64)
+    src_col = tl.load(col_owner + cols, mask=col_ok, other=0).to(tl.int64)
+    copy = tl.load(small + src_row[:, None] * small_stride_r + src_col[None, :] * small_stride_c,
+                   mask=ok, other=0.0).to(tl.float32)
+    # Rounded to the dtype before interpolating: the reference interpolates the de-coalesced tensor.
+    value = (copy / scale).to(out.dtype.element_ty)
+    rows64 = rows.to(tl.int64)
+    if INTERPOLATE:
+        start = tl.load(saved + rows64[:, None] * saved_stride_r + cols[None, :] * saved_stride_c,
+                        mask=ok, other=0.0).to(tl.float32)
+        end = value.to(tl.float32)
+        near_start = alpha < 0.5
+        weight = tl.where(near_start, alpha, alpha - 1.0)
+        base = tl.where(near_start, start, end)
+        value = tl.fma(weight + tl.zeros_like(end), end - start, base).to(out.dtype.element_ty)
+    tl.store(out + rows64[:, None] * out_cols + cols[None, :], value, mask=ok)
+
+
+def _grid(rows: int, cols: int, tile: tuple[int, int]):
+    return (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
+
+
+def coalesce(t: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping], scale: float,
+             tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+    """scale * group mean of the 2-D `t` over its row and column groupings (None: not grouped);
+    a new contiguous tensor. Shapes and dtypes are checked by kernels.dispatch."""
+    row_members = member_index(rows, t.shape[0], t.device)
+    col_members = member_index(cols, t.shape[1], t.device)
+    out = torch.empty((row_members.shape[0], col_members.shape[0]), dtype=t.dtype, device=t.device)
+    _coalesce_kernel[_grid(*out.shape, tile)](
+        t, out, row_members, col_members, out.shape[0], out.shape[1], t.stride(0), t.stride(1),
+        float(scale), ROW_FACTOR=row_members.shape[1], COL_FACTOR=col_members.shape[1],
+        BLOCK_R=tile[0], BLOCK_C=tile[1])
+    return out
+
+
+def decoalesce(small: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping],
+               large_shape: tuple[int, int], scale: float, saved: Optional[torch.Tensor] = None,
+               alpha: float = 1.0, tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+    """The 2-D large tensor of `large_shape`: copies of `small` / scale, interpolated with `saved`
+    by `alpha` when `saved` is given (lerp(saved, copies, alpha)); a new contiguous tensor."""
+    row_owner = owner_index(rows, large_shape[0], small.device)
+    col_owner = owner_index(cols, large_shape[1], small.device)
+    out = torch.empty(large_shape, dtype=small.dtype, device=small.device)
+    interpolate = saved is not None
+    saved_arg = saved if interpolate else out              # never read without INTERPOLATE
+    _decoalesce_kernel[_grid(*large_shape, tile)](
+        small, saved_arg, out, row_owner, col_owner, large_shape[0], large_shape[1],
+        small.stride(0), small.stride(1), saved_arg.stride(0), saved_arg.stride(1),
+        float(scale), float(alpha), INTERPOLATE=interpolate, BLOCK_R=tile[0], BLOCK_C=tile[1])
+    return out
