@@ -17,11 +17,15 @@ same two kernels:
   vectorised kernel uses this fma form) and exact at both ends: alpha = 0 gives saved, alpha = 1 the
   de-coalesced tensor, bit for bit.
 
-The division by the scale is a true division (the CPU reference's); torch on CUDA divides by a
-scalar as a multiplication by its reciprocal, which can differ by 1 ulp in fp32 when the scale is not
-a power of two. Everything else is in the tensor dtype at the end only: bf16/fp16 results are the
-fp32 result rounded once, where the reference rounds after every step (differences of an ulp or two
-of the low-precision dtype).
+Agreement with the reference (checked under the interpreter by tests/test_kernels.py):
+- de-coalesce (+ interpolate) is bit for bit the reference in fp32, bf16 and fp16: the division by
+  the scale is a true division and the lerp the fma form, as on the CPU. (torch on CUDA divides by a
+  scalar as a multiplication by its reciprocal, 1 ulp apart in fp32 for scales that are not powers of
+  two; and its lerp is two roundings unless nvcc contracts it to the same fma.)
+- coalesce accumulates in fp32 and rounds once; the reference rounds after every step in the tensor
+  dtype, so bf16/fp16 results differ by an ulp or two of that dtype (fp32: equal or 1 ulp, from the
+  order of the sum for factors > 2). Equal members (coalescing copies) give them back bit for bit.
+- every cast to bf16 rounds to nearest even (see _round_to), identically on GPUs and the interpreter.
 
 Importing this module imports triton; use kernels.dispatch, which imports it only when needed.
 Under TRITON_INTERPRET=1 (set before this import) the kernels run on CPU tensors, for the tests.
@@ -40,6 +44,20 @@ from msds.multilevel.grouping import Grouping
 # Tile shapes: 16 rows x 128 contiguous columns keeps every warp's loads and stores coalesced on
 # the large tensor; the tests pass smaller tiles to put tile edges everywhere.
 DEFAULT_TILE = (16, 128)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to nearest even in `dtype`. For bf16 done on the bits: the interpreter's
+    fp32 -> bf16 cast truncates (GPUs round to nearest even), and kernels that round the same way
+    everywhere are what the interpreter tests check."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        quiet_nan = 0x7FC0                                   # a low-mantissa NaN must not round to inf
+        rounded = tl.where(x != x, quiet_nan, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -63,7 +81,7 @@ def _row_group_mean(src, row_members, rows, row_ok, col_offsets, ok, src_stride_
 
 @triton.jit
 def _coalesce_kernel(src, out, row_members, col_members, out_rows, out_cols,
-                     src_stride_r, src_stride_c, scale,
+                     src_stride_r, src_stride_c, out_stride_r, out_stride_c, scale,
                      ROW_FACTOR: tl.constexpr, COL_FACTOR: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -82,14 +100,14 @@ def _coalesce_kernel(src, out, row_members, col_members, out_rows, out_cols,
             spread += _row_group_mean(src, row_members, rows, row_ok, col * src_stride_c, ok,
                                       src_stride_r, ROW_FACTOR) - mean
         mean = spread / COL_FACTOR + mean
-    out_offsets = rows.to(tl.int64)[:, None] * out_cols + cols[None, :]
-    tl.store(out + out_offsets, (mean * scale).to(out.dtype.element_ty), mask=ok)
+    out_offsets = rows.to(tl.int64)[:, None] * out_stride_r + cols.to(tl.int64)[None, :] * out_stride_c
+    tl.store(out + out_offsets, _round_to(mean * scale, out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _decoalesce_kernel(small, saved, out, row_owner, col_owner, out_rows, out_cols,
                        small_stride_r, small_stride_c, saved_stride_r, saved_stride_c,
-                       scale, alpha, INTERPOLATE: tl.constexpr,
+                       out_stride_r, out_stride_c, scale, alpha, INTERPOLATE: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -101,17 +119,18 @@ def _decoalesce_kernel(small, saved, out, row_owner, col_owner, out_rows, out_co
     copy = tl.load(small + src_row[:, None] * small_stride_r + src_col[None, :] * small_stride_c,
                    mask=ok, other=0.0).to(tl.float32)
     # Rounded to the dtype before interpolating: the reference interpolates the de-coalesced tensor.
-    value = (copy / scale).to(out.dtype.element_ty)
-    rows64 = rows.to(tl.int64)
+    value = _round_to(copy / scale, out.dtype.element_ty)
+    rows64 = rows.to(tl.int64)[:, None]
+    cols64 = cols.to(tl.int64)[None, :]
     if INTERPOLATE:
-        start = tl.load(saved + rows64[:, None] * saved_stride_r + cols[None, :] * saved_stride_c,
-                        mask=ok, other=0.0).to(tl.float32)
+        start = tl.load(saved + rows64 * saved_stride_r + cols64 * saved_stride_c, mask=ok,
+                        other=0.0).to(tl.float32)
         end = value.to(tl.float32)
         near_start = alpha < 0.5
         weight = tl.where(near_start, alpha, alpha - 1.0)
         base = tl.where(near_start, start, end)
-        value = tl.fma(weight + tl.zeros_like(end), end - start, base).to(out.dtype.element_ty)
-    tl.store(out + rows64[:, None] * out_cols + cols[None, :], value, mask=ok)
+        value = _round_to(tl.fma(weight + tl.zeros_like(end), end - start, base), out.dtype.element_ty)
+    tl.store(out + rows64 * out_stride_r + cols64 * out_stride_c, value, mask=ok)
 
 
 def _grid(rows: int, cols: int, tile: tuple[int, int]):
@@ -119,31 +138,36 @@ def _grid(rows: int, cols: int, tile: tuple[int, int]):
 
 
 def coalesce(t: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping], scale: float,
-             tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
-    """scale * group mean of the 2-D `t` over its row and column groupings (None: not grouped);
-    a new contiguous tensor. Shapes and dtypes are checked by kernels.dispatch."""
+             out: Optional[torch.Tensor] = None, tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+    """scale * group mean of the 2-D `t` over its row and column groupings (None: not grouped),
+    written into `out` (any strides) or a new tensor. Arguments are checked by kernels.dispatch."""
     row_members = member_index(rows, t.shape[0], t.device)
     col_members = member_index(cols, t.shape[1], t.device)
-    out = torch.empty((row_members.shape[0], col_members.shape[0]), dtype=t.dtype, device=t.device)
+    if out is None:
+        out = torch.empty((row_members.shape[0], col_members.shape[0]), dtype=t.dtype, device=t.device)
     _coalesce_kernel[_grid(*out.shape, tile)](
         t, out, row_members, col_members, out.shape[0], out.shape[1], t.stride(0), t.stride(1),
-        float(scale), ROW_FACTOR=row_members.shape[1], COL_FACTOR=col_members.shape[1],
-        BLOCK_R=tile[0], BLOCK_C=tile[1])
+        out.stride(0), out.stride(1), float(scale), ROW_FACTOR=row_members.shape[1],
+        COL_FACTOR=col_members.shape[1], BLOCK_R=tile[0], BLOCK_C=tile[1])
     return out
 
 
 def decoalesce(small: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping],
                large_shape: tuple[int, int], scale: float, saved: Optional[torch.Tensor] = None,
-               alpha: float = 1.0, tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+               alpha: float = 1.0, out: Optional[torch.Tensor] = None,
+               tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
     """The 2-D large tensor of `large_shape`: copies of `small` / scale, interpolated with `saved`
-    by `alpha` when `saved` is given (lerp(saved, copies, alpha)); a new contiguous tensor."""
+    by `alpha` when `saved` is given (lerp(saved, copies, alpha)), written into `out` (any strides)
+    or a new tensor."""
     row_owner = owner_index(rows, large_shape[0], small.device)
     col_owner = owner_index(cols, large_shape[1], small.device)
-    out = torch.empty(large_shape, dtype=small.dtype, device=small.device)
+    if out is None:
+        out = torch.empty(large_shape, dtype=small.dtype, device=small.device)
     interpolate = saved is not None
     saved_arg = saved if interpolate else out              # never read without INTERPOLATE
     _decoalesce_kernel[_grid(*large_shape, tile)](
         small, saved_arg, out, row_owner, col_owner, large_shape[0], large_shape[1],
         small.stride(0), small.stride(1), saved_arg.stride(0), saved_arg.stride(1),
-        float(scale), float(alpha), INTERPOLATE=interpolate, BLOCK_R=tile[0], BLOCK_C=tile[1])
+        out.stride(0), out.stride(1), float(scale), float(alpha), INTERPOLATE=interpolate,
+        BLOCK_R=tile[0], BLOCK_C=tile[1])
     return out

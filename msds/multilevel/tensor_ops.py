@@ -57,9 +57,11 @@ def coalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) ->
         # copies (de-coalesced weights, duplicated layers) gives them back bit for bit for any g.
         first = grouped.narrow(factor_dim, 0, 1)
         rest = grouped.narrow(factor_dim, 1, grouping.factor - 1)
-        mean = (rest - first).sum(factor_dim, keepdim=True).div_(grouping.factor).add_(first)
-        mean = mean.squeeze(factor_dim)                   # small-unit dims and block, from dim on
-        out = mean.flatten(dim, dim + mean.dim() - out.dim())
+        deviation = rest - first
+        if grouping.factor > 2:                           # g = 2: one deviation, nothing to sum
+            deviation = deviation.sum(factor_dim, keepdim=True)
+        mean = deviation.div_(grouping.factor).add_(first).squeeze(factor_dim)
+        out = mean.flatten(dim, dim + mean.dim() - out.dim())   # small units and block, from dim on
     if out is t:
         out = t.clone()
     return out.mul_(scale) if scale != 1 else out

@@ -1,0 +1,242 @@
+"""The Triton kernels (kernels/) against the PyTorch reference (msds.multilevel.tensor_ops), on the
+CPU under the Triton interpreter: every grouping kind, every dtype, odd sizes and small tiles so
+that tile edges are everywhere, outputs poisoned with NaN (and framed by NaN to catch writes past
+the masks), and the dispatcher's errors and PyTorch fallback."""
+import os
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is the optional extra 'kernels' (pip install 'msds[kernels]')")
+# Read by triton when the kernels are defined, so before kernels.multilevel is first imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from kernels import dispatch, multilevel  # noqa: E402
+from msds.errors import MsdsError  # noqa: E402
+from msds.multilevel.grouping import Grouping  # noqa: E402
+from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_tensor  # noqa: E402
+
+if not multilevel._coalesce_kernel.__class__.__name__.startswith("Interpreted"):
+    pytest.skip("kernels.multilevel was imported before TRITON_INTERPRET=1 was set in this process",
+                allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SMALL_TILE = (4, 8)          # many programs and partial tiles on every edge of the shapes below
+
+# (grouping, channels per unit): every layout, shards, explicit groups, blocks (heads), factor 3 and 4.
+GROUPINGS = {
+    "none": (None, 1),
+    "adjacent": (Grouping(6, 2, "adjacent"), 1),
+    "strided_shards": (Grouping(8, 2, "strided", shards=2), 1),
+    "strided_g4_blocks": (Grouping(4, 4, "strided"), 3),
+    "explicit_g3": (Grouping.from_groups([[0, 3, 5], [1, 2, 4]], 6, "test"), 1),
+    "adjacent_blocks": (Grouping(4, 2, "adjacent", shards=2), 5),
+}
+ROW_COL_CASES = [("adjacent", "strided_shards"), ("strided_g4_blocks", "none"), ("none", "explicit_g3"),
+                 ("explicit_g3", "adjacent_blocks"), ("adjacent_blocks", "strided_g4_blocks")]
+
+
+def _large_size(name: str) -> int:
+    grouping, block = GROUPINGS[name]
+    return (grouping.units if grouping else 7) * block       # 7: an odd ungrouped axis
+
+
+def _axes(rows, cols):
+    return [(d, g) for d, g in ((0, rows), (1, cols)) if g is not None]
+
+
+def _framed_nan(shape, dtype):
+    """A NaN-filled view of `shape` inside a NaN frame: unwritten elements stay NaN, writes past
+    the masks land in the frame."""
+    frame = torch.full((shape[0] + 2, shape[1] + 3), float("nan"), dtype=dtype)
+    return frame, frame[1:1 + shape[0], 2:2 + shape[1]]
+
+
+def _assert_frame_untouched(frame, shape):
+    inner = torch.zeros_like(frame, dtype=torch.bool)
+    inner[1:1 + shape[0], 2:2 + shape[1]] = True
+    assert frame[~inner].isnan().all(), "a kernel wrote outside its output"
+
+
+def _tolerance(dtype, magnitude: float):
+    """Coalescing rounds once where the reference rounds per step: two ulps of the dtype, relative
+    to the inputs' magnitude (a mean of mixed signs can cancel)."""
+    eps = torch.finfo(dtype).eps
+    return {"rtol": 2 * eps, "atol": 2 * eps * magnitude}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("row_name,col_name", ROW_COL_CASES)
+def test_coalesce_kernel_matches_reference(row_name, col_name, dtype):
+    torch.manual_seed(0)
+    rows, cols = GROUPINGS[row_name][0], GROUPINGS[col_name][0]
+    t = torch.randn(_large_size(row_name), _large_size(col_name)).to(dtype)
+    for scale in (1.0, 4.0, 3.0):
+        reference = coalesce_tensor(t, _axes(rows, cols), scale)
+        frame, out = _framed_nan(reference.shape, dtype)
+        multilevel.coalesce(t, rows, cols, scale, out=out, tile=SMALL_TILE)
+        assert not out.isnan().any(), "unwritten output elements"
+        _assert_frame_untouched(frame, reference.shape)
+        torch.testing.assert_close(out, reference, **_tolerance(dtype, scale * t.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("row_name,col_name", ROW_COL_CASES)
+def test_decoalesce_interpolate_kernel_is_the_reference_bit_for_bit(row_name, col_name, dtype):
+    """De-coalesce, then torch.lerp with the saved tensor: the kernel equals it exactly, every
+    alpha (both branches of lerp, both ends), every dtype, scales that are and are not powers of 2."""
+    torch.manual_seed(1)
+    rows, cols = GROUPINGS[row_name][0], GROUPINGS[col_name][0]
+    large_shape = (_large_size(row_name), _large_size(col_name))
+    small = torch.randn(large_shape[0] // (rows.factor if rows else 1),
+                        large_shape[1] // (cols.factor if cols else 1)).to(dtype)
+    saved = torch.randn(large_shape).to(dtype)
+    for scale in (1.0, 2.0, 3.0):
+        copies = decoalesce_tensor(small, _axes(rows, cols), scale)
+        frame, out = _framed_nan(large_shape, dtype)
+        multilevel.decoalesce(small, rows, cols, large_shape, scale, out=out, tile=SMALL_TILE)
+        assert torch.equal(out, copies)
+        _assert_frame_untouched(frame, large_shape)
+        for alpha in (0.0, 0.25, 0.5, 0.7, 1.0):
+            frame, out = _framed_nan(large_shape, dtype)
+            multilevel.decoalesce(small, rows, cols, large_shape, scale, saved=saved, alpha=alpha,
+                                  out=out, tile=SMALL_TILE)
+            _assert_frame_untouched(frame, large_shape)
+            assert torch.equal(out, torch.lerp(saved, copies, alpha)), f"alpha {alpha}, scale {scale}"
+        assert torch.equal(out, copies)                        # alpha = 1: pure de-coalescing
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_default_tiles_strided_inputs_and_copies_round_trip(dtype):
+    """Default tiles with odd sizes, non-contiguous inputs, and coalesce(decoalesce(x)) == x bit for
+    bit (means of copies are exact, the in-side scale is a power of 2)."""
+    torch.manual_seed(2)
+    rows, cols = Grouping(14, 2, "strided", shards=7), Grouping(9, 3, "adjacent")
+    small = torch.randn(27, 7 * 5).to(dtype).t()              # (35, 27): rows 7 units x 5, cols 9 x 3
+    rows = Grouping(10, 2, "strided", shards=5)
+    large = multilevel.decoalesce(small, rows, cols, (70, 81), 2.0)
+    assert torch.equal(large, decoalesce_tensor(small, [(0, rows), (1, cols)], 2.0))
+    back = multilevel.coalesce(large.t().contiguous().t(), rows, cols, 2.0)
+    assert torch.equal(back, small)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bf16_rounding_nan_inf_and_zero_sizes_of_groups(dtype):
+    """Non-finite values travel like the reference's (NaN stays NaN, inf stays inf)."""
+    values = torch.tensor([[1.0, float("nan")], [float("inf"), -float("inf")], [3.0, 1e-3]]).to(dtype)
+    out = multilevel.decoalesce(values, None, None, (3, 2), 1.0)
+    assert torch.equal(out.isnan(), values.isnan()) and torch.equal(out.isinf(), values.isinf())
+    assert torch.equal(multilevel.coalesce(values, None, None, 1.0).nan_to_num(), values.nan_to_num())
+
+
+# --- the dispatcher ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dispatch_triton_and_torch_backends_agree(dtype):
+    torch.manual_seed(3)
+    heads = Grouping(4, 2, "strided", shards=2)               # blocks of 3 rows (q, k, v of a head)
+    hidden = Grouping(10, 2, "adjacent")
+    weight = torch.randn(12, 10).to(dtype)
+    bias = torch.randn(12).to(dtype)
+    tol = _tolerance(dtype, 2 * weight.abs().max().item())
+    for backend_pair in (("triton", "torch"),):
+        got, want = (dispatch.coalesce_2d(weight, heads, hidden, col_reduce="sum", backend=b)
+                     for b in backend_pair)
+        torch.testing.assert_close(got, want, **tol)
+        got, want = (dispatch.coalesce_2d(bias, heads, backend=b) for b in backend_pair)
+        torch.testing.assert_close(got, want, **tol)
+        small_bias = want
+        got, want = (dispatch.decoalesce_2d(small_bias, heads, backend=b) for b in backend_pair)
+        assert got.shape == (12,) and torch.equal(got, want)
+        got, want = (dispatch.decoalesce_interpolate_2d(small_bias, bias, 0.5, heads, backend=b)
+                     for b in backend_pair)
+        assert torch.equal(got, want)
+        got, want = (dispatch.decoalesce_2d(weight[:6, :5], heads, hidden, scale=2.0, backend=b)
+                     for b in backend_pair)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dispatch_moment_variants(dtype):
+    """exp_avg scales by c, exp_avg_sq by c^2, both ways, as operators._scale says."""
+    torch.manual_seed(4)
+    rows, cols = Grouping(6, 2, "strided"), Grouping(4, 2, "adjacent")
+    exp_avg, exp_avg_sq = torch.randn(6, 8).to(dtype), torch.rand(6, 8).to(dtype)
+    c = 2
+    small = dispatch.coalesce_moments_2d(exp_avg, exp_avg_sq, rows, cols, c=c, backend="triton")
+    for got, moment, scale in zip(small, (exp_avg, exp_avg_sq), (c, c * c)):
+        want = coalesce_tensor(moment, [(0, rows), (1, cols)], scale)
+        torch.testing.assert_close(got, want, **_tolerance(dtype, scale * moment.abs().max().item()))
+    large = dispatch.decoalesce_interpolate_moments_2d(*small, exp_avg, exp_avg_sq, 0.25, rows, cols,
+                                                       c=c, backend="triton")
+    for got, moment, saved, scale in zip(large, small, (exp_avg, exp_avg_sq), (c, c * c)):
+        assert torch.equal(got, torch.lerp(saved, decoalesce_tensor(moment, [(0, rows), (1, cols)], scale), 0.25))
+
+
+def test_fused_tensor_ops_entry_points():
+    """tensor_ops' arguments: 2-D, 1-D and a depth stack (dim 0 of a 3-D tensor) on the kernels;
+    None for CPU tensors under `auto` and for axes that do not fit a matrix."""
+    torch.manual_seed(5)
+    rows, cols = Grouping(6, 2, "strided"), Grouping(4, 2, "adjacent")
+    layers = Grouping(4, 4, "adjacent")
+    cases = [(torch.randn(6, 8), [(0, rows), (-1, cols)]), (torch.randn(12), [(0, rows)]),
+             (torch.randn(4, 6, 8), [(0, layers)])]
+    assert dispatch.fused_coalesce_tensor(cases[0][0], cases[0][1]) is None        # CPU: PyTorch path
+    original = dispatch._use_triton
+    try:
+        dispatch._use_triton = lambda t, backend, name: True                       # as if on CUDA
+        for t, axes in cases:
+            torch.testing.assert_close(dispatch.fused_coalesce_tensor(t, axes, 2.0),
+                                       coalesce_tensor(t, axes, 2.0), rtol=1e-6, atol=1e-6)
+            small = coalesce_tensor(t, axes)
+            assert torch.equal(dispatch.fused_decoalesce_tensor(small, axes, 4.0),
+                               decoalesce_tensor(small, axes, 4.0))
+        assert dispatch.fused_coalesce_tensor(torch.randn(4, 6, 8), [(1, rows)]) is None
+    finally:
+        dispatch._use_triton = original
+
+
+def test_without_triton_everything_runs_on_the_pytorch_path(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    rows = Grouping(4, 2, "strided")
+    t = torch.randn(4, 3)
+    assert torch.equal(dispatch.coalesce_2d(t, rows), coalesce_tensor(t, [(0, rows)]))
+    assert dispatch.fused_coalesce_tensor(t, [(0, rows)]) is None
+    with pytest.raises(MsdsError, match=r"msds\[kernels\]"):
+        dispatch.coalesce_2d(t, rows, backend="triton")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: dispatch.coalesce_2d(torch.randn(7, 4), Grouping(4, 2), backend="triton"),
+     r"t axis 0 \(rows\): has 7 channels, not a multiple of the grouping's 4 large units"),
+    (lambda: dispatch.decoalesce_2d(torch.randn(3, 4), None, Grouping(6, 2), backend="triton"),
+     r"small axis 1 \(cols\): has 4 channels, not a multiple of the grouping's 3 small units"),
+    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 5), 0.5, Grouping(4, 2)),
+     r"saved: shape \(4, 5\) disagrees with \(4, 4\)"),
+    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4).half(), 0.5, Grouping(4, 2)),
+     r"saved: dtype torch.float16 disagrees with small's torch.float32; cast one"),
+    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4, device="meta"), 0.5,
+                                                Grouping(4, 2)),
+     r"saved: is on meta, small on cpu; move both to one device"),
+    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4), 1.5, Grouping(4, 2)),
+     r"alpha: 1.5 is outside \[0, 1\]"),
+    (lambda: dispatch.coalesce_moments_2d(torch.randn(4, 4), torch.randn(4, 4).bfloat16(), Grouping(4, 2), c=2),
+     r"exp_avg_sq: dtype torch.bfloat16 disagrees with exp_avg's"),
+    (lambda: dispatch.coalesce_2d(torch.randn(4, 4, 2), Grouping(4, 2)), r"t: has 3 dimensions"),
+    (lambda: dispatch.coalesce_2d(torch.randn(4), None, Grouping(4, 2)), r"cols: t is 1-D"),
+    (lambda: dispatch.coalesce_2d(torch.randn(4, 4), Grouping(4, 2), row_reduce="max"),
+     r"row_reduce: 'max' is not one of 'mean', 'sum'"),
+    (lambda: dispatch.coalesce_2d(torch.randn(4, 4), backend="cuda"), r"backend: 'cuda' is not one of"),
+    (lambda: dispatch.coalesce_2d(torch.randn(4, 4).double(), backend="triton"),
+     r"t: dtype torch.float64 has no kernel"),
+])
+def test_bad_input_is_one_clear_error(call, match):
+    with pytest.raises(MsdsError, match=match):
+        call()
+
+
+def test_cpu_without_the_interpreter_is_refused_for_backend_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(MsdsError, match=r"t: is on cpu; the Triton kernels run on CUDA tensors"):
+        dispatch.coalesce_2d(torch.randn(4, 4), backend="triton")
