@@ -93,6 +93,10 @@ SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
+# Requeued jobs may start again after this many seconds (default 120): short for tests.
+AuthInfo=cred_expire=10
+# Look at pending jobs every 2 s (default 60 s), so a requeued job starts once it may.
+SchedulerParameters=sched_interval=2,bf_interval=2
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={d}/state

@@ -47,6 +47,16 @@ def test_three_level_vcycle_on_two_processes(two_process_results, arch, stage):
     assert math.isfinite(result["summary"]["final_val_loss"])
 
 
+def test_random_ltd_with_a_vcycle_on_zero2(two_process_results):
+    result = two_process_results["gpt-zero2-random-ltd"]
+    assert len(result["losses"]) == 30 and all(math.isfinite(v) for v in result["losses"].values())
+    assert len(result["summary"]["transitions"]) == 4
+    keep = [result["keep_tokens"][str(step)] for step in range(1, 31)]
+    assert keep[0] == 16 and keep[-1] == 32 and keep == sorted(keep)   # MSLG across transitions
+    # Fewer tokens in the routed layers: fewer FLOPs than the same V-cycle without dropping.
+    assert result["summary"]["state"]["flops"] < two_process_results["gpt-zero2"]["summary"]["state"]["flops"]
+
+
 def test_zero_stages_train_the_same_model(two_process_results):
     for arch in ("gpt", "bert"):
         reference = two_process_results[f"{arch}-zero1"]["losses"]

@@ -209,15 +209,31 @@ class Transformer(nn.Module):
             return None
         return attention_mask.bool()[:, None, None, :]
 
-    def hidden_states(self, input_ids, token_type_ids=None, attention_mask=None):
+    def hidden_states(self, input_ids, token_type_ids=None, attention_mask=None, keep_tokens=None):
+        """Final hidden states. With `keep_tokens` r < seq_len (random-LTD), every layer but the first
+        and the last sees only a random sorted subset of r tokens of each sample; the other tokens
+        skip that layer unchanged (and get no gradient through it)."""
         mask = self.attention_mask(attention_mask)
         h = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            h = layer(h, mask)
+        drop = keep_tokens is not None and keep_tokens < h.shape[1]
+        for i, layer in enumerate(self.layers):
+            if drop and 0 < i < len(self.layers) - 1:
+                h = self._routed(layer, h, attention_mask, keep_tokens)
+            else:
+                h = layer(h, mask)
         return h
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
-        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
+    def _routed(self, layer, h, attention_mask, keep_tokens):
+        batch, seq_len, width = h.shape
+        # A fresh subset per layer and per sample, sorted so the kept tokens stay in order: the
+        # causal mask of the subset is then the top-left corner of the full one.
+        kept = torch.rand(batch, seq_len, device=h.device).argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
+        index = kept.unsqueeze(-1).expand(batch, keep_tokens, width)
+        mask = None if attention_mask is None else self.attention_mask(attention_mask.gather(1, kept))
+        return h.scatter(1, index, layer(h.gather(1, index), mask))
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None):
+        h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
         logits = self.head(h, self.embeddings.word.weight)
         if labels is None:
             return logits

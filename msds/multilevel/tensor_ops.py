@@ -49,6 +49,11 @@ def _grouped(t: torch.Tensor, dim: int, grouping: Grouping) -> tuple[torch.Tenso
 
 def coalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) -> torch.Tensor:
     """scale * groupmean of `t` over every (dim, grouping) in `axes`; a new tensor, `t` untouched."""
+    if t.is_cuda:                          # one fused Triton pass when triton is installed
+        from kernels.dispatch import fused_coalesce_tensor
+        fused = fused_coalesce_tensor(t, axes, scale)
+        if fused is not None:
+            return fused
     out = t
     for dim, grouping in axes:
         dim = dim % out.dim()
@@ -69,6 +74,11 @@ def coalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) ->
 
 def decoalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) -> torch.Tensor:
     """Copies of `t`'s small units into every large unit of their group, divided by scale."""
+    if t.is_cuda:                          # one fused Triton pass when triton is installed
+        from kernels.dispatch import fused_decoalesce_tensor
+        fused = fused_decoalesce_tensor(t, axes, scale)
+        if fused is not None:
+            return fused
     out = t
     for dim, grouping in axes:
         dim = dim % out.dim()

@@ -34,15 +34,22 @@ def _fill(section: dict, key: str, value, path: str) -> None:
                           f"set it to \"auto\" in the JSON or change the msds config")
 
 
-def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
-    """The DeepSpeed config of one engine: the JSON template with msds's values filled in."""
+def read_ds_template(cfg: RunConfig) -> dict:
+    """The DeepSpeed JSON the run starts from (training.ds_config, else ds_configs/zero<stage>.json)."""
     path = Path(cfg.training.ds_config) if cfg.training.ds_config else REPO_DS_CONFIGS / f"zero{cfg.training.zero_stage}.json"
     if not path.is_file():
         raise ConfigError(f"training.ds_config: {path} does not exist")
     try:
-        ds = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"training.ds_config: {path} is not valid JSON ({exc})") from exc
+
+
+def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
+    """The DeepSpeed config of one engine: the JSON template with msds's values filled in. Its
+    random-LTD section is msds's to implement (msds/train/random_ltd.py), so DeepSpeed does not get it."""
+    ds = read_ds_template(cfg)
+    ds.pop("data_efficiency", None)
     t, o = cfg.training, cfg.optimizer
     _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train_micro_batch_size_per_gpu")
     _fill(ds, "gradient_accumulation_steps", t.grad_accum, "gradient_accumulation_steps")

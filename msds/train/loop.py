@@ -28,7 +28,9 @@ from msds.model.roles import expected_shapes
 from msds.train import checkpointing
 from msds.train.engine import build_engine, destroy_engine
 from msds.train.metrics import MetricsLogger
-from msds.train.schedule import flops_per_token, level_maps, level_model, lr_multiplier, plan_phases
+from msds.train import random_ltd
+from msds.train.engine import read_ds_template
+from msds.train.schedule import flops_per_sample, level_maps, level_model, lr_multiplier, plan_phases
 from msds.train.transition import SavedLevel, coalesce_engine, decoalesce_engine
 
 
@@ -78,7 +80,9 @@ class Trainer:
         self.saved: list[SavedLevel] = []
         self.transitions: list[dict] = []
         self.saved_at_step = -1
-        self.tokens_per_step = cfg.training.micro_batch_size * cfg.training.grad_accum * self.world * cfg.data.seq_len
+        self.samples_per_step = cfg.training.micro_batch_size * cfg.training.grad_accum * self.world
+        self.tokens_per_step = self.samples_per_step * cfg.data.seq_len
+        self.random_ltd = random_ltd.parse(read_ds_template(cfg), cfg.model, cfg.data.seq_len)
         self.log = MetricsLogger(self.run_dir, self.rank == 0, cfg.logging.interval, cfg.training.steps,
                                  cfg.logging.tensorboard)
         self.eval_set = eval_batches(cfg.data.path, cfg.logging.eval_split, cfg.model.arch, cfg.data.seq_len,
@@ -94,9 +98,24 @@ class Trainer:
     def phase(self):
         return self.phases[self.state.phase]
 
+    def keep_tokens(self, step: int) -> int | None:
+        return self.random_ltd.keep_tokens(step) if self.random_ltd else None
+
     def lr_lambda(self, phase):
         min_ratio = self.cfg.optimizer.min_lr_ratio
-        return lambda step_in_phase: lr_multiplier(phase, step_in_phase, min_ratio)
+        if not (self.random_ltd and self.random_ltd.layer_token_lr):
+            return lambda step_in_phase: lr_multiplier(phase, step_in_phase, min_ratio)
+        # LayerToken schedule: the phase's warmup and decay advance with consumed layer-tokens, so
+        # the early steps (short sequences in the routed layers) move the schedule less.
+        model = level_model(self.cfg, self.maps, phase.level)
+        tokens = [self.random_ltd.layer_tokens(phase.first_step + k, model, self.samples_per_step)
+                  for k in range(phase.steps)]
+        consumed = [0.0]
+        for t in tokens:
+            consumed.append(consumed[-1] + t)
+        total = consumed[-1]
+        return lambda step_in_phase: lr_multiplier(
+            phase, consumed[min(step_in_phase, phase.steps)] / total * phase.steps, min_ratio)
 
     def new_engine(self, phase, tensors=None):
         return build_engine(self.cfg, level_model(self.cfg, self.maps, phase.level), tensors,
@@ -244,8 +263,9 @@ class Trainer:
                 break
             start = time.perf_counter()
             losses = []
+            keep = self.keep_tokens(self.state.step)
             for _ in range(cfg.training.grad_accum):
-                loss = engine(**next(batches))
+                loss = engine(**next(batches), keep_tokens=keep)
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach())
@@ -255,13 +275,14 @@ class Trainer:
             model_cfg = level_model(cfg, self.maps, self.phase.level)
             self.state.step += 1
             self.state.consumed_samples += cfg.training.micro_batch_size * cfg.training.grad_accum * self.world
-            self.state.flops += flops_per_token(model_cfg, cfg.data.seq_len) * self.tokens_per_step
+            self.state.flops += flops_per_sample(model_cfg, cfg.data.seq_len, keep) * self.samples_per_step
             self.state.train_seconds += seconds
             steps_here += 1
             self.log.step({"step": self.state.step, "level": self.phase.level, "loss": loss.item() / self.world,
                            "lr": engine.get_lr()[0], "tokens_per_s": self.tokens_per_step / seconds,
                            "flops": self.state.flops, "train_seconds": self.state.train_seconds,
-                           "consumed_samples": self.state.consumed_samples})
+                           "consumed_samples": self.state.consumed_samples,
+                           "keep_tokens": keep or cfg.data.seq_len})
             if self.state.step % cfg.logging.eval_interval == 0 and self.state.step < total:
                 self.log_eval(engine)
             if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0 and self.state.step < total:

@@ -77,16 +77,18 @@ def lr_multiplier(phase: Phase, step_in_phase: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def matmul_parameters(cfg: ModelConfig) -> int:
-    """Weights that take part in a matrix product per token (biases, norms and the position/type
-    lookups excluded; the tied output head included)."""
+def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: int | None = None) -> float:
+    """Forward + backward FLOPs of one sample (METHOD.md 1.4): 6 x matmul parameters per token plus
+    the attention score and value products, 12 x attention width x sequence length per token and
+    layer. With random-LTD, the routed layers (all but the first and last) see `keep_tokens` tokens."""
     h, a, f = cfg.hidden_size, cfg.attention_size, cfg.ffn_size
-    per_layer = 3 * a * h + a * h + 2 * f * h
-    head = h * h if cfg.arch == "bert" else 0
-    return cfg.num_layers * per_layer + head + cfg.vocab_size * h
+    layer_params = 3 * a * h + a * h + 2 * f * h
+    outside_layers = (h * h if cfg.arch == "bert" else 0) + cfg.vocab_size * h   # BERT transform, tied head
+    routed = max(0, cfg.num_layers - 2) if keep_tokens is not None else 0
+    full_layers = cfg.num_layers - routed
+    kept = keep_tokens or seq_len
 
+    def layer_flops(tokens: int) -> float:
+        return 6 * layer_params * tokens + 12 * a * tokens * tokens
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token (METHOD.md 1.4): 6 x matmul parameters plus the
-    attention score and value products, 12 x layers x attention width x sequence length."""
-    return 6 * matmul_parameters(cfg) + 12 * cfg.num_layers * cfg.attention_size * seq_len
+    return 6 * outside_layers * seq_len + full_layers * layer_flops(seq_len) + routed * layer_flops(kept)

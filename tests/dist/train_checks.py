@@ -31,7 +31,8 @@ def run(name, arch, corpus, work, *overrides):
     dist.barrier()
     return {"summary": {"final_val_loss": summary.final_val_loss, "exited_early": summary.exited_early,
                         "state": asdict(summary.state), "transitions": summary.transitions},
-            "losses": {r["step"]: r["loss"] for r in read_metrics(work / name, "step")}}
+            "losses": {r["step"]: r["loss"] for r in read_metrics(work / name, "step")},
+            "keep_tokens": {r["step"]: r["keep_tokens"] for r in read_metrics(work / name, "step")}}
 
 
 def main(corpus, work, results_path):
@@ -41,6 +42,17 @@ def main(corpus, work, results_path):
         for stage in (1, 2, 3):
             results[f"{arch}-zero{stage}"] = run(f"{arch}-zero{stage}", arch, corpus, work,
                                                  f"training.zero_stage={stage}", "checkpoint.at_transitions=true")
+    ltd = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ltd["data_efficiency"] = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+        "enabled": True, "total_layer_num": 4, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
+        "model_type": "decoder", "random_ltd_schedule": {
+            "min_value": 16, "max_value": 32, "schedule_type": "fixed_linear",
+            "schedule_config": {"require_steps": 20, "seq_per_step": 4}}}}}
+    if dist.get_rank() == 0:
+        (work / "zero2-random-ltd.json").write_text(json.dumps(ltd))
+    dist.barrier()
+    results["gpt-zero2-random-ltd"] = run("gpt-zero2-random-ltd", "gpt", corpus, work, "training.zero_stage=2",
+                                          f"training.ds_config={work / 'zero2-random-ltd.json'}")
     results["gpt-alpha0"] = run("gpt-alpha0", "gpt", corpus, work, "training.zero_stage=2", "multilevel.alpha=0.0")
     for stage in (1, 3):   # stop right after the second transition (step 12), then resume
         name = f"gpt-zero{stage}-resumed"

@@ -1,0 +1,86 @@
+"""Random-LTD (random and layerwise token dropping, Yao et al. 2022), configured by DeepSpeed's own
+keys `data_efficiency.data_routing.random_ltd` in the ds_config, implemented here with PyTorch
+gather/scatter so that it runs on CPU and GPU alike and composes with the V-cycle.
+
+Every routed layer processes a random sorted subset of `r` of the S tokens of each sample; the
+others pass it unchanged (msds/model/transformer.py does the gather / scatter). `r` follows the MSLG
+schedule (`fixed_linear`: from `min_value` to `max_value` over `require_steps`, in multiples of
+`seq_per_step`) on the global step, so it continues across level transitions. The routed layers are
+every layer but the first and the last, re-derived at each level of a V-cycle (1 .. L_k - 2).
+DeepSpeed's own implementation (CUDA ops) is not used: msds removes the section from the config it
+hands to DeepSpeed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from msds.config import ConfigError, ModelConfig
+
+SCHEDULE_TYPES = ("fixed_linear",)
+PATH = "training.ds_config: data_efficiency.data_routing.random_ltd"
+
+
+@dataclass(frozen=True)
+class RandomLTD:
+    min_value: int
+    max_value: int
+    require_steps: int
+    seq_per_step: int
+    layer_token_lr: bool = False
+
+    def keep_tokens(self, step: int) -> int:
+        """Tokens each routed layer keeps at global step `step` (DeepSpeed's fixed_linear formula)."""
+        value = math.floor(min(1.0, step / self.require_steps) * (self.max_value - self.min_value) + self.min_value)
+        value -= value % self.seq_per_step
+        return max(min(value, self.max_value), min(self.seq_per_step, self.max_value))
+
+    @staticmethod
+    def routed_layers(num_layers: int) -> tuple[int, ...]:
+        """Every layer but the first and the last."""
+        return tuple(range(1, num_layers - 1))
+
+    def layer_tokens(self, step: int, model: ModelConfig, samples: int) -> int:
+        """Layer-tokens processed in one step (the LayerToken schedule's clock)."""
+        routed = len(self.routed_layers(model.num_layers))
+        return samples * (self.keep_tokens(step) * routed + self.max_value * (model.num_layers - routed))
+
+
+def parse(ds: dict, model: ModelConfig, seq_len: int) -> RandomLTD | None:
+    """The random-LTD settings of a ds_config (None when absent or disabled), validated against the
+    level-1 model and sequence length. Pops the section so that DeepSpeed does not see it."""
+    efficiency = ds.pop("data_efficiency", None) or {}
+    routing = (efficiency.get("data_routing") or {}).get("random_ltd") or {}
+    if not (efficiency.get("enabled", False) and routing.get("enabled", False)):
+        return None
+    total = routing.get("total_layer_num", model.num_layers)
+    if total != model.num_layers:
+        raise ConfigError(f"{PATH}.total_layer_num: {total}, but model.num_layers is {model.num_layers}")
+    for layer in routing.get("random_ltd_layer_id", []):
+        if not 0 <= layer < model.num_layers:
+            raise ConfigError(f"{PATH}.random_ltd_layer_id: layer {layer} is outside the model "
+                              f"(layers 0..{model.num_layers - 1}); routed layers are 1..L-2")
+    if routing.get("model_type", "decoder" if model.arch == "gpt" else "encoder") != \
+            ("decoder" if model.arch == "gpt" else "encoder"):
+        raise ConfigError(f"{PATH}.model_type: {routing['model_type']!r} does not match model.arch {model.arch!r}")
+    schedule = routing.get("random_ltd_schedule") or {}
+    kind = schedule.get("schedule_type", "fixed_linear")
+    if kind not in SCHEDULE_TYPES:
+        raise ConfigError(f"{PATH}.random_ltd_schedule.schedule_type: {kind!r} is not implemented; "
+                          f"use one of {', '.join(SCHEDULE_TYPES)}")
+    sched_cfg = schedule.get("schedule_config") or {}
+    result = RandomLTD(min_value=schedule.get("min_value", seq_len // 2),
+                       max_value=schedule.get("max_value", seq_len),
+                       require_steps=sched_cfg.get("require_steps", 1),
+                       seq_per_step=sched_cfg.get("seq_per_step", 1),
+                       layer_token_lr=bool((routing.get("layer_token_lr_schedule") or {}).get("enabled", False)))
+    if not 0 < result.min_value <= seq_len:
+        raise ConfigError(f"{PATH}.random_ltd_schedule.min_value: {result.min_value} must be in 1..{seq_len} "
+                          f"(data.seq_len)")
+    if result.max_value != seq_len:
+        raise ConfigError(f"{PATH}.random_ltd_schedule.max_value: {result.max_value} must equal data.seq_len "
+                          f"({seq_len}): the schedule ends at full sequences")
+    if result.min_value > result.max_value or result.require_steps <= 0 or result.seq_per_step <= 0:
+        raise ConfigError(f"{PATH}.random_ltd_schedule: need min_value <= max_value and positive "
+                          f"require_steps and seq_per_step")
+    return result

@@ -1,0 +1,160 @@
+"""Random-LTD: exactness at r = S, pass-through and gradients of dropped tokens, the MSLG schedule
+(against DeepSpeed's own scheduler), encoder/decoder masks, FLOPs, and bad configs."""
+import copy
+import json
+
+import pytest
+import torch
+
+from msds.config import ConfigError, model_config
+from msds.model.transformer import Transformer
+from msds.train import random_ltd
+from msds.train.schedule import flops_per_sample
+
+DS_LTD = {
+    "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+        "enabled": True, "total_layer_num": 4, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
+        "model_mask_name": "attention_mask", "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+        "random_ltd_schedule": {"min_value": 8, "max_value": 32, "schedule_type": "fixed_linear",
+                                "schedule_config": {"require_steps": 50, "seq_per_step": 4}}}}}}
+
+
+def model(arch, layers=4):
+    torch.manual_seed(0)
+    return Transformer(model_config(f"{arch}-tiny", num_layers=layers, hidden_dropout=0.0,
+                                    attention_dropout=0.0)).eval()
+
+
+def kept_indices(seed, batch, seq_len, keep):
+    """The subset Transformer._routed draws after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return torch.rand(batch, seq_len).argsort(dim=1)[:, :keep].sort(dim=1).values
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_keeping_every_token_is_exactly_the_plain_model(arch):
+    m = model(arch)
+    ids = torch.randint(0, 512, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, -4:] = 0
+    extra = {} if arch == "gpt" else {"attention_mask": mask}
+    h = m.embeddings(ids)
+    layer = m.layers[1]
+    full = layer(h, m.attention_mask(mask if arch == "bert" else None))
+    assert torch.equal(m._routed(layer, h, extra.get("attention_mask"), 20), full)
+    assert torch.equal(m(ids, keep_tokens=20, **extra), m(ids, **extra))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_dropped_tokens_pass_unchanged_and_get_no_gradient(arch):
+    m = model(arch)
+    layer = m.layers[1]
+    h = torch.randn(2, 16, 64, requires_grad=True)
+    torch.manual_seed(3)
+    out = m._routed(layer, h, None, 6)
+    kept = kept_indices(3, 2, 16, 6)
+    dropped = torch.ones(2, 16, dtype=torch.bool)
+    dropped[torch.arange(2)[:, None], kept] = False
+    assert torch.equal(out[dropped], h[dropped])
+    assert not torch.allclose(out[~dropped], h[~dropped])
+    # The kept tokens' outputs depend on kept tokens only: no gradient reaches a dropped token.
+    out[~dropped].sum().backward()
+    assert torch.count_nonzero(h.grad[dropped]) == 0
+    assert torch.count_nonzero(h.grad[~dropped]) > 0
+
+
+def test_routed_layers_are_all_but_first_and_last():
+    m = model("gpt", layers=5)
+    ids = torch.randint(0, 512, (2, 16))
+    calls = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: calls.append((i, args[0].shape[1])))
+             for i, layer in enumerate(m.layers)]
+    m(ids, keep_tokens=8)
+    for hook in hooks:
+        hook.remove()
+    assert calls == [(0, 16), (1, 8), (2, 8), (3, 8), (4, 16)]
+    assert random_ltd.RandomLTD.routed_layers(5) == (1, 2, 3)
+
+
+def test_encoder_mask_is_the_gathered_padding_mask():
+    m = model("bert")
+    layer = m.layers[1]
+    h = torch.randn(2, 12, 64)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 7:] = 0
+    torch.manual_seed(5)
+    out = m._routed(layer, h, mask, 6)
+    kept = kept_indices(5, 2, 12, 6)
+    rows = torch.arange(2)[:, None]
+    expected = layer(h[rows, kept], mask[rows, kept].bool()[:, None, None, :])
+    assert torch.allclose(out[rows, kept], expected, atol=1e-6)
+
+
+def test_decoder_mask_is_the_top_left_causal_corner():
+    m = model("gpt")
+    layer = m.layers[1]
+    h = torch.randn(1, 12, 64)
+    torch.manual_seed(7)
+    out = m._routed(layer, h, None, 6)
+    kept = kept_indices(7, 1, 12, 6)[0]
+    # Sorted indices keep order, so the subset's causal mask is the full causal mask restricted
+    # to the kept rows and columns; a later kept token must not change an earlier one's output.
+    changed = h.clone()
+    changed[0, kept[-1]] += 10.0
+    torch.manual_seed(7)
+    out_changed = m._routed(layer, changed, None, 6)
+    assert torch.equal(out[0, kept[:-1]], out_changed[0, kept[:-1]])
+    assert torch.allclose(out[0, kept], layer(h[:, kept])[0], atol=1e-6)
+
+
+def test_schedule_matches_deepspeed_fixed_linear():
+    from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
+
+    ltd = random_ltd.parse(copy.deepcopy(DS_LTD), model_config("gpt-tiny", num_layers=4), 32)
+    routing = DS_LTD["data_efficiency"]["data_routing"]["random_ltd"]
+    reference = RandomLTDScheduler({**routing, "global_batch_size": 8,
+                                    "layer_token_lr_schedule": {"enabled": False}})
+    for step in range(0, 80):
+        assert ltd.keep_tokens(step) == reference.get_value(step), step
+    assert ltd.keep_tokens(0) == 8 and ltd.keep_tokens(25) == 20 and ltd.keep_tokens(50) == 32
+    assert all(ltd.keep_tokens(s) % 4 == 0 for s in range(80))
+
+
+def test_flops_use_the_effective_sequence_length():
+    cfg = model_config("gpt-tiny", num_layers=4)
+    full = flops_per_sample(cfg, 32)
+    assert flops_per_sample(cfg, 32, 32) == full
+    half = flops_per_sample(cfg, 32, 16)
+    assert half < full
+    per_layer_full = 6 * (4 * 64 * 64 + 2 * cfg.ffn_size * 64) * 32 + 12 * 64 * 32 * 32
+    per_layer_half = 6 * (4 * 64 * 64 + 2 * cfg.ffn_size * 64) * 16 + 12 * 64 * 16 * 16
+    assert full - half == 2 * (per_layer_full - per_layer_half)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["random_ltd_layer_id"], [1, 9], r"random_ltd_layer_id: layer 9 is outside the model"),
+    (["random_ltd_schedule", "min_value"], 64, r"min_value: 64 must be in 1\.\.32"),
+    (["random_ltd_schedule", "schedule_type"], "fixed_root", r"schedule_type: 'fixed_root' is not implemented"),
+    (["total_layer_num"], 6, r"total_layer_num: 6, but model.num_layers is 4"),
+])
+def test_bad_random_ltd_config(path, value, message, tmp_path, train_corpus):
+    ds = copy.deepcopy(DS_LTD)
+    node = ds["data_efficiency"]["data_routing"]["random_ltd"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=message):
+        random_ltd.parse(copy.deepcopy(ds), model_config("gpt-tiny", num_layers=4), 32)
+    # Through the trainer: the same error before any training.
+    from msds.config import load_run_config
+    from msds.train.loop import train
+
+    full = json.loads(open("ds_configs/zero1.json").read())
+    full.update(ds)
+    (tmp_path / "ds.json").write_text(json.dumps(full))
+    cfg = load_run_config("recipes/test-vcycle-gpt.yaml", [f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}",
+                                                          f"training.ds_config={tmp_path / 'ds.json'}",
+                                                          "logging.tensorboard=false"])
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
