@@ -9,7 +9,7 @@ Both compute the same thing (checked). Interpolation: torch.lerp in msds, the au
 (1 - alpha) * saved + alpha * new (three tensor operations) in the dense row. The dense matrices are
 built before the clock starts. Run:
 
-    nice .venv/bin/python benchmarks/map_speed.py [--repeats 3] [--threads 2]
+    nice .venv/bin/python benchmarks/map_speed.py [--repeats 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -108,7 +108,9 @@ def timed(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each operation (best is kept)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both; 1 by default because on a shared, oversubscribed "
+                             "machine spinning OpenMP threads make multi-threaded timings erratic")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -8,7 +8,7 @@ Every function takes a `backend`:
 - `triton`: the kernels, or an MsdsError saying why they cannot run. CPU tensors run them under the
   Triton interpreter: TRITON_INTERPRET=1 must be set before kernels are first used (triton reads it
   when the kernels are defined). This is how the tests check the kernels without a GPU;
-- `torch`: the PyTorch reference path.
+- `torch`: the PyTorch reference path (on CUDA too: see `pytorch_path`).
 
 triton is imported only when a kernel runs; without it everything works on the PyTorch path.
 
@@ -27,6 +27,8 @@ the kernels do not apply, so that tensor_ops can hand CUDA tensors over without 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import os
 from typing import Literal, Optional
@@ -44,6 +46,21 @@ REDUCTIONS = ("mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# Set while the PyTorch path runs on request: tensor_ops hands CUDA tensors to fused_*_tensor, which
+# must then decline, or backend='torch' would not be PyTorch on CUDA.
+_pytorch_requested = contextvars.ContextVar("msds_kernels_pytorch_requested", default=False)
+
+
+@contextlib.contextmanager
+def pytorch_path():
+    """Within it, `auto` takes the PyTorch path for every tensor (a reference on CUDA)."""
+    token = _pytorch_requested.set(True)
+    try:
+        yield
+    finally:
+        _pytorch_requested.reset(token)
+
+
 def triton_available() -> bool:
     """Whether triton is installed (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
@@ -58,7 +75,7 @@ def _use_triton(t: torch.Tensor, backend: str, name: str) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return t.is_cuda and t.dtype in KERNEL_DTYPES and triton_available()
+        return not _pytorch_requested.get() and t.is_cuda and t.dtype in KERNEL_DTYPES and triton_available()
     if backend != "triton":
         raise MsdsError(f"backend: {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
     if not triton_available():
@@ -147,7 +164,8 @@ def coalesce_2d(t: torch.Tensor, rows: Optional[Grouping] = None, cols: Optional
         if reduce == "sum" and grouping is not None:
             scale = scale * grouping.factor
     if not _use_triton(t, backend, "t"):
-        return tensor_ops.coalesce_tensor(t, _axes(rows, cols), scale)
+        with pytorch_path():
+            return tensor_ops.coalesce_tensor(t, _axes(rows, cols), scale)
     out = _kernels().coalesce(_as_matrix(t), rows, cols, scale)
     return out.squeeze(1) if t.dim() == 1 else out
 
@@ -158,7 +176,8 @@ def decoalesce_2d(small: torch.Tensor, rows: Optional[Grouping] = None, cols: Op
     _check_tensor(small, "small")
     _check_groupings(small, rows, cols, large=False, name="small")
     if not _use_triton(small, backend, "small"):
-        return tensor_ops.decoalesce_tensor(small, _axes(rows, cols), scale)
+        with pytorch_path():
+            return tensor_ops.decoalesce_tensor(small, _axes(rows, cols), scale)
     matrix = _as_matrix(small)
     out = _kernels().decoalesce(matrix, rows, cols, _large_shape(matrix, rows, cols), scale)
     return out.view(_large_shape(small, rows, cols))
@@ -174,7 +193,9 @@ def decoalesce_interpolate_2d(small: torch.Tensor, saved: torch.Tensor, alpha: f
     _check_same(small, saved, "small", "saved", _large_shape(small, rows, cols))
     _check_alpha(alpha)
     if not _use_triton(small, backend, "small"):
-        return torch.lerp(saved, tensor_ops.decoalesce_tensor(small, _axes(rows, cols), scale), float(alpha))
+        with pytorch_path():
+            copies = tensor_ops.decoalesce_tensor(small, _axes(rows, cols), scale)
+        return torch.lerp(saved, copies, float(alpha))
     out = _kernels().decoalesce(_as_matrix(small), rows, cols, tuple(_as_matrix(saved).shape), scale,
                                 saved=_as_matrix(saved), alpha=alpha)
     return out.view(saved.shape)
@@ -256,4 +277,4 @@ def fused_decoalesce_tensor(t: torch.Tensor, axes, scale: float = 1.0) -> Option
 
 __all__ = ["BACKENDS", "KERNEL_DTYPES", "coalesce_2d", "coalesce_moments_2d", "decoalesce_2d",
            "decoalesce_interpolate_2d", "decoalesce_interpolate_moments_2d", "fused_coalesce_tensor",
-           "fused_decoalesce_tensor", "triton_available"]
+           "fused_decoalesce_tensor", "pytorch_path", "triton_available"]

@@ -18,13 +18,15 @@ same two kernels:
   de-coalesced tensor, bit for bit.
 
 Agreement with the reference (checked under the interpreter by tests/test_kernels.py):
-- de-coalesce (+ interpolate) is bit for bit the reference in fp32, bf16 and fp16: the division by
-  the scale is a true division and the lerp the fma form, as on the CPU. (torch on CUDA divides by a
-  scalar as a multiplication by its reciprocal, 1 ulp apart in fp32 for scales that are not powers of
-  two; and its lerp is two roundings unless nvcc contracts it to the same fma.)
+- de-coalesce (+ interpolate) is bit for bit the reference in fp32, bf16 and fp16: the divisions
+  are correctly rounded (div_rn: Triton's `/` may compile to an approximate division on GPUs) and
+  the lerp is the fma form, as on the CPU. (torch on CUDA divides by a scalar as a multiplication by
+  its reciprocal, 1 ulp apart in fp32 for scales that are not powers of two; and its lerp is two
+  roundings unless nvcc contracts it to the same fma.)
 - coalesce accumulates in fp32 and rounds once; the reference rounds after every step in the tensor
-  dtype, so bf16/fp16 results differ by an ulp or two of that dtype (fp32: equal or 1 ulp, from the
-  order of the sum for factors > 2). Equal members (coalescing copies) give them back bit for bit.
+  dtype, so bf16/fp16 results differ by an ulp or two of that dtype. In fp32 the formula and order
+  are the reference's: equal in every case tried (factors 2-4); the tests still allow 2 ulps.
+  Equal members (coalescing copies) give them back bit for bit.
 - every cast to bf16 rounds to nearest even (see _round_to), identically on GPUs and the interpreter.
 
 Importing this module imports triton; use kernels.dispatch, which imports it only when needed.
@@ -75,7 +77,7 @@ def _row_group_mean(src, row_members, rows, row_ok, col_offsets, ok, src_stride_
             value = tl.load(src + row[:, None] * src_stride_r + col_offsets[None, :], mask=ok,
                             other=0.0).to(tl.float32)
             spread += value - first
-        first = spread / ROW_FACTOR + first
+        first = tl.math.div_rn(spread, ROW_FACTOR) + first
     return first
 
 
@@ -99,7 +101,7 @@ def _coalesce_kernel(src, out, row_members, col_members, out_rows, out_cols,
             col = tl.load(col_members + cols * COL_FACTOR + member, mask=col_ok, other=0).to(tl.int64)
             spread += _row_group_mean(src, row_members, rows, row_ok, col * src_stride_c, ok,
                                       src_stride_r, ROW_FACTOR) - mean
-        mean = spread / COL_FACTOR + mean
+        mean = tl.math.div_rn(spread, COL_FACTOR) + mean
     out_offsets = rows.to(tl.int64)[:, None] * out_stride_r + cols.to(tl.int64)[None, :] * out_stride_c
     tl.store(out + out_offsets, _round_to(mean * scale, out.dtype.element_ty), mask=ok)
 
@@ -119,7 +121,7 @@ def _decoalesce_kernel(small, saved, out, row_owner, col_owner, out_rows, out_co
     copy = tl.load(small + src_row[:, None] * small_stride_r + src_col[None, :] * small_stride_c,
                    mask=ok, other=0.0).to(tl.float32)
     # Rounded to the dtype before interpolating: the reference interpolates the de-coalesced tensor.
-    value = _round_to(copy / scale, out.dtype.element_ty)
+    value = _round_to(tl.math.div_rn(copy, scale), out.dtype.element_ty)
     rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[None, :]
     if INTERPOLATE:

@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "map": ("msds.multilevel.cli", "coalesce / de-coalesce / interpolate checkpoints offline"),
     "data": ("msds.data.cli", "prepare tokenized corpora"),
     "train": ("msds.train.loop", "train a model, with or without a V-cycle, under DeepSpeed"),
+    "convert-checkpoint": ("msds.train.checkpointing",
+                           "turn a training checkpoint (any tensor-parallel size) into a TP=1 model checkpoint"),
     "bench": ("msds.bench", "train a baseline and V-cycle variants side by side and report the saving"),
     "demo": ("msds.demo", "run the main job on its embedded default"),
 }

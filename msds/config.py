@@ -365,6 +365,11 @@ class MultilevelConfig:
     optimizer state at every transition, as in the paper."""
     phase_warmup_steps: int = 10
     """Linear warmup at the start of every phase after the first."""
+    shards: int = 0
+    """Group heads and FFN inside each of this many contiguous shards (METHOD.md 1.1, shard-local
+    grouping); 0 = the tensor-parallel size, so transitions need no tensor-parallel communication.
+    Must be a multiple of parallel.tensor. Set it explicitly to keep the same grouping (and so the
+    same training) when the tensor-parallel size changes."""
 
 
 @dataclass
@@ -394,12 +399,24 @@ class LoggingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split over processes; the rest of the world size is data parallelism."""
+
+    tensor: int = 1
+    """Tensor-parallel size (megatron-core layers): heads, FFN and vocabulary are split over this
+    many ranks at every level, and transitions group heads and FFN inside each rank's shard."""
+    pipeline: int = 1
+    """Pipeline-parallel size. Only 1 is implemented so far."""
+
+
+@dataclass
 class RunConfig:
     """A training run: everything `msds train` needs, from one YAML file plus overrides."""
 
     run_dir: str = "runs/default"
     """Receives config.yaml, metrics.jsonl, TensorBoard events and (by default) checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -419,6 +436,11 @@ class RunConfig:
         if self.data.seq_len > self.model.max_positions:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_positions "
                               f"{self.model.max_positions}")
+        if self.parallel.tensor <= 0:
+            raise ConfigError(f"parallel.tensor: must be positive, got {self.parallel.tensor}")
+        if self.parallel.pipeline != 1:
+            raise ConfigError(f"parallel.pipeline: {self.parallel.pipeline}; pipeline parallelism is not "
+                              f"implemented in msds yet, use parallel.pipeline=1 (tensor and data parallelism)")
         if self.training.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {self.training.zero_stage}")
         if self.optimizer.lr <= 0:
@@ -428,6 +450,9 @@ class RunConfig:
             if self.training.steps <= 0:
                 raise ConfigError(f"training.steps: must be positive, got {self.training.steps}")
             return self
+        if ml.shards and ml.shards % self.parallel.tensor:
+            raise ConfigError(f"multilevel.shards: {ml.shards} is not a multiple of parallel.tensor "
+                              f"{self.parallel.tensor}; each tensor-parallel shard must hold whole groups")
         if not 0.0 <= ml.alpha <= 1.0:
             raise ConfigError(f"multilevel.alpha: must be in [0, 1], got {ml.alpha}")
         if not ml.levels:

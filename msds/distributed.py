@@ -60,3 +60,51 @@ def tensor_parallel_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def data_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+class DeepSpeedMPU:
+    """megatron-core's parallel state under the names DeepSpeed's `mpu` argument expects: for
+    DeepSpeed the "model parallel" group is the tensor-parallel group, and ZeRO partitions over the
+    data-parallel group."""
+
+    @staticmethod
+    def get_model_parallel_group():
+        from megatron.core import parallel_state
+        return parallel_state.get_tensor_model_parallel_group()
+
+    @staticmethod
+    def get_model_parallel_rank():
+        from megatron.core import parallel_state
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    @staticmethod
+    def get_model_parallel_world_size():
+        from megatron.core import parallel_state
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    @staticmethod
+    def get_tensor_model_parallel_src_rank():
+        from megatron.core import parallel_state
+        return parallel_state.get_tensor_model_parallel_src_rank()
+
+    @staticmethod
+    def get_data_parallel_group():
+        return data_parallel_group()
+
+    @staticmethod
+    def get_data_parallel_rank():
+        return dist.get_rank(data_parallel_group())
+
+    @staticmethod
+    def get_data_parallel_world_size():
+        return dist.get_world_size(data_parallel_group())

@@ -35,3 +35,23 @@ def train_corpus():
     subprocess.run([sys.executable, "-m", "msds.cli", "data", "prepare", "--tokenizer", "bpe-1024",
                     "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
+
+
+@pytest.fixture(scope="session")
+def two_process_results(train_corpus, tmp_path_factory):
+    """One torchrun launch of 2 gloo processes running every multi-process training check
+    (tests/dist/train_checks.py); the tests assert on its results."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    work = tmp_path_factory.mktemp("dist")
+    results = work / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           str(repo / "tests" / "dist" / "train_checks.py"), str(train_corpus), str(work),
+                           str(results)], env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(results.read_text())

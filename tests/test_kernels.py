@@ -14,17 +14,30 @@ if importlib.util.find_spec("triton") is None:
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set in this process; run this "
                 "file in its own pytest process", allow_module_level=True)
-# Read by triton on import and when the kernels are defined: set before either.
+# Read by triton on import and when the kernels are defined: set for those imports, then put back so
+# that the rest of the test session (and its subprocesses) runs as it would without this file.
+_outer_interpret = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
 from kernels import dispatch, multilevel  # noqa: E402
+
+if _outer_interpret is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _outer_interpret
 from msds.errors import MsdsError  # noqa: E402
 from msds.multilevel.grouping import Grouping  # noqa: E402
 from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_tensor  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def interpreting(monkeypatch):
+    """dispatch's backend='triton' runs CPU tensors only while TRITON_INTERPRET is set."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 SMALL_TILE = (4, 8)          # many programs and partial tiles on every edge of the shapes below
 
 # (grouping, channels per unit): every layout, shards, explicit groups, blocks (heads), factor 3 and 4.

@@ -2,9 +2,6 @@
 transitions, and bad input caught before training."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +14,6 @@ from msds.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
-
-
-@pytest.fixture(scope="module")
-def two_process_results(train_corpus, tmp_path_factory):
-    work = tmp_path_factory.mktemp("dist")
-    results = work / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           str(REPO / "tests" / "dist" / "train_checks.py"), str(train_corpus), str(work),
-                           str(results)], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(results.read_text())
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])

@@ -106,6 +106,24 @@ def parameter_roles(cfg: ModelConfig) -> dict[str, ParamRole]:
     return roles
 
 
+# The axis megatron-core splits over tensor-parallel ranks, by parameter-name suffix (column-parallel
+# layers split their output rows, row-parallel layers their input columns, the vocab-parallel
+# embedding and the BERT output bias the vocabulary); parameters not listed are replicated.
+TENSOR_PARALLEL_DIM = {
+    "attn.qkv.weight": 0, "attn.qkv.bias": 0, "attn.proj.weight": 1,
+    "mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1,
+    "embeddings.word.weight": 0, "head.bias": 0,
+}
+
+
+def tensor_parallel_dim(name: str) -> Optional[int]:
+    """The axis of parameter `name` that tensor parallelism splits, or None if it is replicated."""
+    for suffix, dim in TENSOR_PARALLEL_DIM.items():
+        if name.endswith(suffix):
+            return dim
+    return None
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full (TP=1) shape of every parameter, derived from the roles and the config."""
     size = {"hidden": cfg.hidden_size, "heads": cfg.attention_size, "ffn": cfg.ffn_size}

@@ -96,4 +96,4 @@ def decoalesce_tensor(t: torch.Tensor, axes: AxisGroupings, scale: float = 1.0) 
         out = expanded.flatten(dim, dim + expanded.dim() - out.dim())
     if out is t:
         out = t.clone()
-    return out.div_(scale) if scale != 1 else out
+    return out / scale if scale != 1 else out   # out of place: `out` may be an expanded view

@@ -120,3 +120,46 @@ def load(engine, ckpt_dir: Path, tag: str) -> tuple[dict, dict]:
 
 def read_state(ckpt_dir: Path, tag: str) -> dict:
     return json.loads((ckpt_dir / tag / "msds" / "state.json").read_text())
+
+
+def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
+    """An msds model checkpoint (TP=1 shapes) from a training checkpoint written with ZeRO 0-2 at
+    any tensor-parallel size: DeepSpeed's per-tensor-parallel-rank module files are concatenated
+    along the axes megatron-core splits. (ZeRO-3 keeps no module weights in those files: such runs
+    are exported by the trainer itself, to <run_dir>/model.)"""
+    from msds.checkpoint import save_model
+    from msds.config import ModelConfig, from_dict
+    from msds.model.roles import tensor_parallel_dim
+
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag or (ckpt_dir / "latest").read_text().strip()
+    problem = verify(ckpt_dir / tag)
+    if problem:
+        raise MsdsError(f"{ckpt_dir / tag}: {problem}")
+    state = read_state(ckpt_dir, tag)
+    cfg = from_dict(ModelConfig, state["model"], "model").validate()
+    shards = []
+    for rank in range(state["tensor_parallel"]):
+        path = ckpt_dir / tag / f"mp_rank_{rank:02d}_model_states.pt"
+        module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        if not module or any(t.numel() == 0 for t in module.values() if torch.is_tensor(t)):
+            raise MsdsError(f"{path}: holds no full module weights (a ZeRO-3 checkpoint); use the model the "
+                            f"run exported to <run_dir>/model")
+        shards.append({k: v.float() for k, v in module.items() if torch.is_tensor(v) and not k.endswith("_extra_state")})
+    tensors = {name: torch.cat([s[name] for s in shards], dim=tensor_parallel_dim(name))
+               if tensor_parallel_dim(name) is not None else shards[0][name] for name in shards[0]}
+    return save_model(out_dir, cfg, tensors)
+
+
+def _run_convert(args) -> int:
+    out = convert_to_model(Path(args.ckpt_dir), args.tag, Path(args.out))
+    print(f"wrote msds model checkpoint {out} (tensor-parallel size 1)")
+    return 0
+
+
+def add_parser(subparsers, name: str, doc: str) -> None:
+    parser = subparsers.add_parser(name, help=doc, description=convert_to_model.__doc__)
+    parser.add_argument("ckpt_dir", help="a run's checkpoint directory (<run_dir>/checkpoints)")
+    parser.add_argument("out", help="msds model checkpoint to create")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
+    parser.set_defaults(run=_run_convert)

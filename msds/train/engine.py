@@ -18,6 +18,8 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
 from msds.config import ConfigError, ModelConfig, RunConfig
+from msds.distributed import DeepSpeedMPU
+from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 
 REPO_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
@@ -54,7 +56,7 @@ def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
     _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train_micro_batch_size_per_gpu")
     _fill(ds, "gradient_accumulation_steps", t.grad_accum, "gradient_accumulation_steps")
     if "train_batch_size" in ds and ds["train_batch_size"] != "auto":
-        global_batch = t.micro_batch_size * t.grad_accum * dist.get_world_size()
+        global_batch = t.micro_batch_size * t.grad_accum * DeepSpeedMPU.get_data_parallel_world_size()
         _fill(ds, "train_batch_size", global_batch, "train_batch_size")
     ds.pop("train_batch_size", None)
     _fill(ds, "gradient_clipping", o.grad_clip, "gradient_clipping")
@@ -99,7 +101,7 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig, tensors: dict[str, torc
                 p.copy_(tensors[name])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, cfg.optimizer.weight_decay),
-        config=ds_config(cfg, peak_lr), dist_init_required=False,
+        config=ds_config(cfg, peak_lr), dist_init_required=False, mpu=DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
     return engine
 
@@ -110,17 +112,39 @@ def _plain_optimizer_state(engine, param) -> dict:
 
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
-    """Every parameter's full fp32 value on the CPU, gathered one tensor at a time (ZeRO-3 keeps the
-    extra peak memory to one full tensor)."""
+    """Every parameter's full (over data parallelism; this rank's tensor-parallel shard) fp32 value
+    on the engine's device, gathered one tensor at a time (under ZeRO-3 the extra peak memory is one
+    full tensor). On GPUs the transition operators then run there, through the fused kernels."""
     out = {}
     for name, p in engine.module.named_parameters():
         full = safe_get_full_fp32_param(p)
-        out[name] = (p.detach() if full is None else full).float().cpu().clone()
+        out[name] = (p.detach() if full is None else full).float().clone()
+    return out
+
+
+def gather_tensor_parallel(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole (TP=1) tensors from every tensor-parallel rank's shards, concatenated along the axis
+    megatron-core splits (msds.model.roles.tensor_parallel_dim)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return tensors
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for name, shard in tensors.items():
+        dim = tensor_parallel_dim(name)
+        if dim is None:
+            out[name] = shard
+            continue
+        pieces = [torch.empty_like(shard) for _ in range(tp)]
+        dist.all_gather(pieces, shard.contiguous(), group=group)
+        out[name] = torch.cat(pieces, dim=dim)
     return out
 
 
 def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Adam's exp_avg and exp_avg_sq of every parameter, full and on the CPU."""
+    """Adam's exp_avg and exp_avg_sq of every parameter, like `full_weights`."""
     out = {key: {} for key in MOMENTS}
     _link_moments(engine)
     for name, p in engine.module.named_parameters():
@@ -129,7 +153,7 @@ def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
             if full is None:
                 state = _plain_optimizer_state(engine, p)
                 full = state.get(key, torch.zeros_like(p))
-            out[key][name] = full.float().cpu().clone()
+            out[key][name] = full.float().clone()
     return out
 
 

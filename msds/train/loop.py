@@ -21,15 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from msds.checkpoint import save_model
 from msds.config import ConfigError, RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, load_tokenizer_info, train_batches
-from msds.distributed import init_distributed
+from msds.distributed import data_parallel_group, init_distributed
 from msds.model.roles import expected_shapes
-from msds.train import checkpointing
-from msds.train.engine import build_engine, destroy_engine
+from msds.train import checkpointing, random_ltd
+from msds.train.engine import build_engine, destroy_engine, full_weights, gather_tensor_parallel, read_ds_template
 from msds.train.metrics import MetricsLogger
-from msds.train import random_ltd
-from msds.train.engine import read_ds_template
 from msds.train.schedule import flops_per_sample, level_maps, level_model, lr_multiplier, plan_phases
 from msds.train.transition import SavedLevel, coalesce_engine, decoalesce_engine
 
@@ -72,6 +71,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Data parallelism is what is left of the world after tensor parallelism; tensor-parallel
+        # ranks of one model replica read the same samples.
+        self.dp_rank, self.dp_size = dist.get_rank(data_parallel_group()), dist.get_world_size(data_parallel_group())
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.maps = level_maps(cfg)
@@ -80,7 +82,7 @@ class Trainer:
         self.saved: list[SavedLevel] = []
         self.transitions: list[dict] = []
         self.saved_at_step = -1
-        self.samples_per_step = cfg.training.micro_batch_size * cfg.training.grad_accum * self.world
+        self.samples_per_step = cfg.training.micro_batch_size * cfg.training.grad_accum * self.dp_size
         self.tokens_per_step = self.samples_per_step * cfg.data.seq_len
         self.random_ltd = random_ltd.parse(read_ds_template(cfg), cfg.model, cfg.data.seq_len)
         self.log = MetricsLogger(self.run_dir, self.rank == 0, cfg.logging.interval, cfg.training.steps,
@@ -123,7 +125,7 @@ class Trainer:
 
     def batches(self):
         return train_batches(self.cfg.data.path, self.cfg.model.arch, self.cfg.data.seq_len,
-                             self.cfg.training.micro_batch_size, self.cfg.data.seed, self.rank, self.world,
+                             self.cfg.training.micro_batch_size, self.cfg.data.seed, self.dp_rank, self.dp_size,
                              consumed_samples=self.state.consumed_samples)
 
     def evaluate(self, engine) -> float:
@@ -146,7 +148,9 @@ class Trainer:
         if self.saved_at_step == self.state.step:
             return   # e.g. a transition checkpoint followed by exit_after_steps at the same step
         self.saved_at_step = self.state.step
-        state = {"train": asdict(self.state), "transitions": self.transitions}
+        state = {"train": asdict(self.state), "transitions": self.transitions,
+                 "model": asdict(level_model(self.cfg, self.maps, self.phase.level)),
+                 "tensor_parallel": self.cfg.parallel.tensor}
         rank_state = {"saved": [s.state_dict() for s in self.saved], "rng": torch.get_rng_state()}
         tag = checkpointing.save(engine, self.ckpt_dir, self.state.step, state, rank_state, self.cfg.checkpoint.keep)
         self.log.event("checkpoint", {"step": self.state.step, "tag": tag, "reason": reason},
@@ -168,6 +172,16 @@ class Trainer:
         self.log.event("resume", {"step": self.state.step, "tag": tag},
                        f"resumed from {self.ckpt_dir / tag} at step {self.state.step} (level {self.phase.level})")
         return engine
+
+    def export(self, engine) -> None:
+        """The trained model as an msds model checkpoint with TP=1 shapes (<run_dir>/model), ready
+        for `msds export-hf`, whatever the run's parallel layout."""
+        tensors = {name: t.cpu() for name, t in gather_tensor_parallel(full_weights(engine)).items()}
+        if self.rank == 0:
+            save_model(self.run_dir / "model", level_model(self.cfg, self.maps, self.phase.level), tensors,
+                       overwrite=True)
+            self.say(f"model written to {self.run_dir / 'model'} (msds export-hf can convert it)")
+        dist.barrier()
 
     # -- transitions ------------------------------------------------------------------------
 
@@ -197,7 +211,7 @@ class Trainer:
         # A transition costs about ten elementwise passes over the parameters and moments of the
         # larger model on every rank: negligible next to a training step, but counted.
         larger = level_model(self.cfg, self.maps, min(current.level, following.level))
-        self.state.flops += 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * self.world
+        self.state.flops += 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * self.dp_size
         loss_after = self.evaluate(engine)
         entry = {"step": self.state.step, "direction": record.direction, "from_level": record.from_level,
                  "to_level": record.to_level, "seconds": record.seconds, "loss_before": loss_before,
@@ -245,7 +259,7 @@ class Trainer:
             torch.manual_seed(cfg.training.seed)
             engine = self.new_engine(self.phase)
             self.say(f"training {cfg.model.arch} for {cfg.training.steps} steps in {len(self.phases)} phase(s) "
-                     f"on {self.world} process(es), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
+                     f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel {self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
         self.install_exit_signal()
         steps_here, exited_early = 0, False
@@ -270,15 +284,15 @@ class Trainer:
                 engine.step()
                 losses.append(loss.detach())
             loss = torch.stack(losses).mean()
-            dist.all_reduce(loss)
+            dist.all_reduce(loss, group=data_parallel_group())
             seconds = time.perf_counter() - start
             model_cfg = level_model(cfg, self.maps, self.phase.level)
             self.state.step += 1
-            self.state.consumed_samples += cfg.training.micro_batch_size * cfg.training.grad_accum * self.world
+            self.state.consumed_samples += self.samples_per_step
             self.state.flops += flops_per_sample(model_cfg, cfg.data.seq_len, keep) * self.samples_per_step
             self.state.train_seconds += seconds
             steps_here += 1
-            self.log.step({"step": self.state.step, "level": self.phase.level, "loss": loss.item() / self.world,
+            self.log.step({"step": self.state.step, "level": self.phase.level, "loss": loss.item() / self.dp_size,
                            "lr": engine.get_lr()[0], "tokens_per_s": self.tokens_per_step / seconds,
                            "flops": self.state.flops, "train_seconds": self.state.train_seconds,
                            "consumed_samples": self.state.consumed_samples,
@@ -291,6 +305,7 @@ class Trainer:
         if not exited_early:
             final_loss = self.log_eval(engine)
             self.save(engine, "end of training")
+            self.export(engine)
             self.say(f"done: {self.state.step} steps, val loss {final_loss:.4f}, {self.state.flops:.3e} FLOPs, "
                      f"{self.state.train_seconds:.1f} s training ({self.state.transition_seconds:.2f} s in transitions)")
         destroy_engine(engine)
@@ -300,7 +315,7 @@ class Trainer:
 
 def train(cfg: RunConfig) -> RunSummary:
     """Run (or resume) a training run in this process group; callable repeatedly in one process."""
-    init_distributed(seed=cfg.training.seed)
+    init_distributed(tensor_parallel=cfg.parallel.tensor, seed=cfg.training.seed)
     check_data(cfg)
     run_dir = Path(cfg.run_dir)
     if dist.get_rank() == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msds.config import ModelConfig, RunConfig
+from msds.config import ConfigError, ModelConfig, RunConfig
 from msds.multilevel.operators import LevelMap, plan_level
 
 
@@ -23,17 +23,31 @@ class Phase:
 
 
 def level_maps(cfg: RunConfig) -> list[LevelMap]:
-    """maps[k] turns level k+1 into level k+2 (0-based list; level 1 is `cfg.model`)."""
+    """maps[k] turns level k+1 into level k+2 (0-based list; level 1 is `cfg.model`). With tensor
+    parallelism, heads and FFN are grouped inside each rank's shard, so that a transition needs no
+    communication along the tensor-parallel axis."""
+    tp = cfg.parallel.tensor
+    shards = cfg.multilevel.shards or tp
+    check_tensor_parallel(cfg.model, tp, "model")
     maps, large = [], cfg.model
     if not cfg.multilevel.enabled:
         return maps
     for i, level in enumerate(cfg.multilevel.levels):
+        path = f"multilevel.levels[{i}]"
         level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
                                layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
-                               path=f"multilevel.levels[{i}]")
+                               shards={"heads": shards, "ffn": shards}, path=path)
+        check_tensor_parallel(level_map.small, tp, f"level {i + 2} ({path})")
         maps.append(level_map)
         large = level_map.small
     return maps
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, where: str) -> None:
+    for name in ("num_heads", "ffn_size", "vocab_size"):
+        if getattr(model, name) % tp:
+            raise ConfigError(f"parallel.tensor: {tp} does not divide {name} {getattr(model, name)} of the "
+                              f"{where} model; choose a tensor-parallel size that divides it at every level")
 
 
 def level_model(cfg: RunConfig, maps: list[LevelMap], level: int) -> ModelConfig:

@@ -14,6 +14,7 @@ engine: DeepSpeed's fp32 master copies would overwrite such edits at the next st
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -55,6 +56,15 @@ def _dp_group():
     return parallel_state.get_data_parallel_group()
 
 
+def _local(level_map: LevelMap) -> LevelMap:
+    """The level as this tensor-parallel rank sees its shards (heads and FFN grouped inside the
+    shard), so the operators run on local tensors with no tensor-parallel communication."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return level_map
+    return level_map.shard_local(tp, parallel_state.get_tensor_model_parallel_rank())
+
+
 def _partition(tensor: torch.Tensor) -> torch.Tensor:
     """This data-parallel rank's contiguous chunk of the flattened tensor (chunks padded equal)."""
     world, rank = dist.get_world_size(_dp_group()), dist.get_rank(_dp_group())
@@ -64,21 +74,20 @@ def _partition(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The full tensor from every rank's `_partition` of it."""
+    """The full tensor from every rank's `_partition` of it (on `part`'s device: NCCL needs GPU
+    tensors, gloo takes CPU ones)."""
     world = dist.get_world_size(_dp_group())
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     size = -(-numel // world)
-    padded = torch.zeros(size, dtype=part.dtype)
+    padded = torch.zeros(size, dtype=part.dtype, device=part.device)
     padded[:part.numel()] = part
     pieces = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(pieces, padded, group=_dp_group())
     return torch.cat(pieces)[:numel].reshape(shape)
 
 
-def _partitions(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: _partition(t) for name, t in tensors.items()}
+def _partitions(tensors: dict[str, torch.Tensor], host: bool = False) -> dict[str, torch.Tensor]:
+    return {name: _partition(t).cpu() if host else _partition(t) for name, t in tensors.items()}
 
 
 def coalesce_engine(engine, run_cfg, level_map: LevelMap, level: int, peak_lr: float, lr_lambda,
@@ -88,11 +97,13 @@ def coalesce_engine(engine, run_cfg, level_map: LevelMap, level: int, peak_lr: f
     weights = full_weights(engine)
     moments = full_moments(engine) if map_moments else None
     step = optimizer_step_count(engine)
+    # Kept in host memory until the way back up: each rank only its 1/dp share.
     saved = SavedLevel(level=level, shapes={n: tuple(t.shape) for n, t in weights.items()},
-                       weights=_partitions(weights), val_loss=val_loss,
-                       moments={k: _partitions(v) for k, v in moments.items()} if moments else None)
-    small = coalesce(weights, level_map)
-    small_moments = {k: coalesce(moments[k], level_map, kind=k) for k in MOMENTS} if moments else None
+                       weights=_partitions(weights, host=True), val_loss=val_loss,
+                       moments={k: _partitions(v, host=True) for k, v in moments.items()} if moments else None)
+    local_map = _local(level_map)
+    small = coalesce(weights, local_map)
+    small_moments = {k: coalesce(moments[k], local_map, kind=k) for k in MOMENTS} if moments else None
     del weights, moments
     destroy_engine(engine)
     del engine
@@ -116,8 +127,9 @@ def decoalesce_engine(engine, run_cfg, level_map: LevelMap, saved: SavedLevel, a
     gc.collect()
 
     def upsample(tensors: dict[str, torch.Tensor], saved_parts: dict[str, torch.Tensor], kind: str):
-        large = decoalesce(tensors, level_map, kind=kind)
-        mixed = interpolate(_partitions(large), saved_parts, alpha)
+        large = decoalesce(tensors, _local(level_map), kind=kind)
+        device = next(iter(large.values())).device
+        mixed = interpolate(_partitions(large), {n: t.to(device) for n, t in saved_parts.items()}, alpha)
         return {name: _gather(mixed[name], saved.shapes[name]) for name in saved.shapes}
 
     weights = upsample(small, saved.weights, "param")

@@ -29,7 +29,7 @@ def run(name, arch, corpus, work, *overrides):
                                    *overrides])
     summary = train(cfg)
     dist.barrier()
-    return {"summary": {"final_val_loss": summary.final_val_loss, "exited_early": summary.exited_early,
+    return {"run_dir": str(work / name), "summary": {"final_val_loss": summary.final_val_loss, "exited_early": summary.exited_early,
                         "state": asdict(summary.state), "transitions": summary.transitions},
             "losses": {r["step"]: r["loss"] for r in read_metrics(work / name, "step")},
             "keep_tokens": {r["step"]: r["keep_tokens"] for r in read_metrics(work / name, "step")}}
@@ -60,6 +60,14 @@ def main(corpus, work, results_path):
                     "training.exit_after_steps=12")
         second = run(name, "gpt", corpus, work, f"training.zero_stage={stage}", "checkpoint.at_transitions=true")
         results[name] = {"first": first, "second": second}
+    # Tensor parallelism last: it re-creates megatron's parallel state for TP=2 (data parallel 1).
+    exact = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0", "parallel.tensor=2"]
+    for arch in ("gpt", "bert"):
+        results[f"{arch}-tp2"] = run(f"{arch}-tp2", arch, corpus, work, *exact, "checkpoint.at_transitions=true")
+    first = run("gpt-tp2-resumed", "gpt", corpus, work, *exact, "checkpoint.at_transitions=true",
+                "training.exit_after_steps=12")
+    second = run("gpt-tp2-resumed", "gpt", corpus, work, *exact, "checkpoint.at_transitions=true")
+    results["gpt-tp2-resumed"] = {"first": first, "second": second}
     if dist.get_rank() == 0:
         Path(results_path).write_text(json.dumps(results, indent=1, default=lambda x: None if x != x or math.isinf(x) else x))
 
