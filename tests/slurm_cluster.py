@@ -181,11 +181,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             fields[key] = value
         return fields
 
-    def update_job(self, job_id: int, *settings: str) -> None:
-        """`scontrol update JobId=.. Key=Value ...` (e.g. TimeLimit=10)."""
-        result = _run(["scontrol", "update", f"JobId={job_id}", *settings], env=self.env)
+    def signal_batch_shell(self, job_id: int, signal: str) -> None:
+        """Send `signal` to the job's batch shell alone, as `--signal=B:<signal>@T` does at T."""
+        result = _run(["scancel", "--batch", f"--signal={signal}", str(job_id)], env=self.env)
         if result.returncode != 0:
-            raise RuntimeError(f"scontrol update {job_id} {settings} failed: {result.stderr.strip()}")
+            raise RuntimeError(f"scancel --batch --signal={signal} {job_id} failed: {result.stderr.strip()}")
 
     def wait_for_job(self, job_id: int, timeout: float) -> dict[str, str]:
         """Poll until the job reaches a final state; returns its last `scontrol show job` fields."""

@@ -158,3 +158,26 @@ def test_bad_random_ltd_config(path, value, message, tmp_path, train_corpus):
     with pytest.raises(ConfigError, match=message):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corpus):
+    """With short routed sequences early on, a step consumes fewer layer-tokens than a full one, so
+    the LayerToken schedule's warmup and decay lag the step-based schedule and meet it at the end."""
+    from msds.config import load_run_config
+    from msds.train.loop import Trainer
+    from msds.train.schedule import lr_multiplier
+
+    ds = json.loads(open("ds_configs/zero1.json").read())
+    ds.update(copy.deepcopy(DS_LTD))
+    ds["data_efficiency"]["data_routing"]["random_ltd"]["layer_token_lr_schedule"] = {"enabled": True}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cfg = load_run_config("recipes/test-vcycle-gpt.yaml", [
+        f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
+        "multilevel.enabled=false", "training.steps=100", "optimizer.warmup_steps=20",
+        f"training.ds_config={tmp_path / 'ds.json'}"])
+    trainer = Trainer(cfg)
+    phase = trainer.phases[0]
+    by_layer_tokens = trainer.lr_lambda(phase)
+    assert by_layer_tokens(10) < lr_multiplier(phase, 10, cfg.optimizer.min_lr_ratio)
+    assert by_layer_tokens(100) == pytest.approx(lr_multiplier(phase, 100, cfg.optimizer.min_lr_ratio))
+    trainer.log.close()

@@ -12,7 +12,6 @@ or corrupted one is reported and the previous complete one is used.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from msds.data.sources import sha256_file
 from msds.errors import MsdsError
 
 COMPLETE = "COMPLETE"
@@ -28,14 +28,6 @@ COMPLETE = "COMPLETE"
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -57,7 +49,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep:
     dist.barrier()
     if rank == 0:
         files = sorted(p for p in (ckpt_dir / tag).rglob("*") if p.is_file() and p.name != COMPLETE)
-        manifest = {str(p.relative_to(ckpt_dir / tag)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        manifest = {str(p.relative_to(ckpt_dir / tag)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                     for p in files}
         _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": manifest}))
         _atomic_write(ckpt_dir / "latest", tag)
@@ -85,7 +77,7 @@ def verify(tag_dir: Path) -> str | None:
         path = tag_dir / rel
         if not path.is_file():
             return f"{rel} is missing"
-        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+        if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
             return f"{rel} is truncated or altered"
     return None
 
