@@ -33,6 +33,11 @@ from msds.train.schedule import flops_per_sample, level_maps, level_model, lr_mu
 from msds.train.transition import SavedLevel, coalesce_engine, decoalesce_engine
 
 
+# The checkpoint reason of a finished run. slurm/train.sh reads it from metrics.jsonl to decide
+# between "requeue" and "done": keep it stable.
+FINISHED = "end of training"
+
+
 @dataclass
 class TrainState:
     """What a resumed run needs besides the engine: position in the V-cycle and the counters."""
@@ -82,6 +87,9 @@ class Trainer:
         self.saved: list[SavedLevel] = []
         self.transitions: list[dict] = []
         self.saved_at_step = -1
+        # Early, so that a stop signal during start-up (imports done, engine build, resume) is noted
+        # rather than killing the process with the signal's default action.
+        self.install_exit_signal()
         self.samples_per_step = cfg.training.micro_batch_size * cfg.training.grad_accum * self.dp_size
         self.tokens_per_step = self.samples_per_step * cfg.data.seq_len
         self.random_ltd = random_ltd.parse(read_ds_template(cfg), cfg.model, cfg.data.seq_len)
@@ -261,7 +269,6 @@ class Trainer:
             self.say(f"training {cfg.model.arch} for {cfg.training.steps} steps in {len(self.phases)} phase(s) "
                      f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel {self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
-        self.install_exit_signal()
         steps_here, exited_early = 0, False
         total = cfg.training.steps
         while self.state.step < total:
@@ -304,7 +311,7 @@ class Trainer:
         final_loss = None
         if not exited_early:
             final_loss = self.log_eval(engine)
-            self.save(engine, "end of training")
+            self.save(engine, FINISHED)
             self.export(engine)
             self.say(f"done: {self.state.step} steps, val loss {final_loss:.4f}, {self.state.flops:.3e} FLOPs, "
                      f"{self.state.train_seconds:.1f} s training ({self.state.transition_seconds:.2f} s in transitions)")
