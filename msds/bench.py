@@ -176,7 +176,8 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     configs = variant_configs(load_yaml(config_path), out_dir, list(overrides))
     for name, cfg in configs.items():
         done = out_dir / name / "summary.json"
-        record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        # What the run computes; where it was written does not count (a bench directory may move).
+        record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
         if done.is_file() and json.loads(done.read_text())["config"] == record:
             print(f"bench: {name} already finished in {done.parent}, reusing it", flush=True)
             continue

@@ -365,6 +365,10 @@ class MultilevelConfig:
     optimizer state at every transition, as in the paper."""
     phase_warmup_steps: int = 10
     """Linear warmup at the start of every phase after the first."""
+    lr_schedule: Literal["phase", "run"] = "phase"
+    """`phase`: every phase warms up to its level's peak and decays (cosine) over its own steps.
+    `run`: one cosine over the whole run, as the baseline's, scaled by each level's peak relative to
+    optimizer.lr; after a transition the LR warms up to that curve over phase_warmup_steps."""
     shards: int = 0
     """Group heads and FFN inside each of this many contiguous shards (METHOD.md 1.1, shard-local
     grouping); 0 = the tensor-parallel size, so transitions need no tensor-parallel communication.

@@ -146,14 +146,24 @@ _GPT_TOP = {"embeddings.word.weight": "transformer.wte.weight",
             "head.norm.weight": "transformer.ln_f.weight", "head.norm.bias": "transformer.ln_f.bias"}
 
 
+class _Taker:
+    """Reads tensors out of an HF state dict and remembers which ones were used."""
+
+    def __init__(self, hf: dict[str, torch.Tensor]):
+        self.hf, self.used = hf, set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        self.used.add(name)
+        return self.hf[name]
+
+    def unused(self, ignorable) -> list[str]:
+        return sorted(n for n in set(self.hf) - self.used if not ignorable(n))
+
+
 def bert_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, list[str]]:
     """msds tensors from HF BERT tensors; also the HF names that msds does not use."""
     prefix = "bert." if any(k.startswith("bert.") for k in hf) else ""
-    used, out = set(), {}
-
-    def take(name):
-        used.add(name)
-        return hf[name]
+    take, out = _Taker(hf), {}
 
     for ours, theirs in _BERT_TOP.items():
         out[ours] = take(prefix + theirs)
@@ -169,8 +179,8 @@ def bert_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, l
         theirs = _BERT_HEAD[ours].replace("bert.", prefix, 1)
         if theirs in hf:
             out[ours] = take(theirs)
-    used.update(n for n in hf if n.endswith(("decoder.weight", "decoder.bias", "position_ids")))
-    return out, sorted(set(hf) - used)
+    # The tied decoder and the position-id buffer carry nothing msds does not already hold.
+    return out, take.unused(lambda n: n.endswith(("decoder.weight", "decoder.bias", "position_ids")))
 
 
 def bert_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -191,11 +201,7 @@ def bert_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def gpt_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, list[str]]:
     prefix = "transformer." if any(k.startswith("transformer.") for k in hf) else ""
-    used, out = set(), {}
-
-    def take(name):
-        used.add(name)
-        return hf[name]
+    take, out = _Taker(hf), {}
 
     for ours, theirs in _GPT_TOP.items():
         out[ours] = take(theirs.replace("transformer.", prefix, 1))
@@ -210,8 +216,8 @@ def gpt_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, li
             weight = take(f"{p}{theirs}.weight")
             out[f"layers.{i}.{ours}.weight"] = weight if "norm" in ours else weight.t().contiguous()
             out[f"layers.{i}.{ours}.bias"] = take(f"{p}{theirs}.bias")
-    used.update(n for n in hf if n == "lm_head.weight" or n.endswith((".attn.bias", ".attn.masked_bias")))
-    return out, sorted(set(hf) - used)
+    # The tied head and GPT-2's causal-mask buffers carry nothing msds does not already hold.
+    return out, take.unused(lambda n: n == "lm_head.weight" or n.endswith((".attn.bias", ".attn.masked_bias")))
 
 
 def gpt_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

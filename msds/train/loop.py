@@ -113,6 +113,13 @@ class Trainer:
 
     def lr_lambda(self, phase):
         min_ratio = self.cfg.optimizer.min_lr_ratio
+        if self.cfg.multilevel.enabled and self.cfg.multilevel.lr_schedule == "run":
+            whole_run = plan_phases(self.cfg, single=True)[0]
+
+            def on_the_run_curve(step_in_phase):
+                rewarm = 1.0 if phase.index == 0 else min(1.0, (step_in_phase + 1) / max(1, phase.warmup_steps))
+                return rewarm * lr_multiplier(whole_run, phase.first_step + step_in_phase, min_ratio)
+            return on_the_run_curve
         if not (self.random_ltd and self.random_ltd.layer_token_lr):
             return lambda step_in_phase: lr_multiplier(phase, step_in_phase, min_ratio)
         # LayerToken schedule: the phase's warmup and decay advance with consumed layer-tokens, so

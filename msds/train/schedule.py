@@ -68,8 +68,9 @@ def peak_lr(cfg: RunConfig, level: int) -> float:
     return cfg.optimizer.lr * scale
 
 
-def plan_phases(cfg: RunConfig) -> list[Phase]:
-    if not cfg.multilevel.enabled:
+def plan_phases(cfg: RunConfig, single: bool = False) -> list[Phase]:
+    """The run's phases; `single`: the whole run as one level-1 phase (the baseline's schedule)."""
+    if single or not cfg.multilevel.enabled:
         return [Phase(0, 1, cfg.training.steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)]
     depth = len(cfg.multilevel.levels) + 1
     cycle = list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))   # after the first level-1 phase
