@@ -91,6 +91,15 @@ def first_crossing(evals: list[dict], target: float, key: str) -> float | None:
     return None
 
 
+def value_at(evals: list[dict], key: str, x: float) -> float | None:
+    """val_loss at `key` = x, interpolated linearly between evaluations (None outside the curve)."""
+    for a, b in zip(evals, evals[1:]):
+        if a[key] <= x <= b[key]:
+            fraction = (x - a[key]) / (b[key] - a[key]) if b[key] > a[key] else 1.0
+            return a["val_loss"] + fraction * (b["val_loss"] - a["val_loss"])
+    return None
+
+
 def summarize(out_dir: Path, names: list[str]) -> dict:
     runs = {name: {"evals": read_metrics(out_dir / name, "eval"),
                    "transitions": read_metrics(out_dir / name, "transition")} for name in names}
@@ -111,6 +120,9 @@ def summarize(out_dir: Path, names: list[str]) -> dict:
             "seconds_to_target": seconds_at,
             "flops_saving": None if flops_at is None else 1 - flops_at / base_flops,
             "wallclock_saving": None if seconds_at is None else 1 - seconds_at / base_seconds,
+            # What the baseline had reached with this variant's whole compute: the comparison at
+            # equal cost when the variant does not reach the target.
+            "baseline_val_loss_at_same_flops": value_at(baseline_evals, "flops", evals[-1]["flops"]),
             "transition_seconds": sum(t["seconds"] for t in runs[name]["transitions"]),
             "transitions": [{k: t[k] for k in ("step", "direction", "from_level", "to_level", "seconds",
                                                 "loss_before", "loss_after")} for t in runs[name]["transitions"]],
@@ -124,13 +136,15 @@ def markdown_table(results: dict) -> str:
         return "not reached" if x is None else f"{100 * x:.1f}%"
 
     lines = [f"Target: the baseline's final validation loss, {results['target_val_loss']:.4f}.", "",
-             "| variant | final val loss | FLOPs to target | wall-clock to target (s) | FLOPs saving | "
-             "wall-clock saving | transitions (s) |", "|---|---|---|---|---|---|---|"]
+             "| variant | final val loss | baseline's val loss at the same FLOPs | total FLOPs | FLOPs to target | "
+             "wall-clock to target (s) | FLOPs saving | wall-clock saving | transitions (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["variants"].items():
         flops = "-" if r["flops_to_target"] is None else f"{r['flops_to_target']:.3e}"
         secs = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
-        lines.append(f"| {name} | {r['final_val_loss']:.4f} | {flops} | {secs} | {pct(r['flops_saving'])} | "
-                     f"{pct(r['wallclock_saving'])} | {r['transition_seconds']:.2f} |")
+        same = "-" if r["baseline_val_loss_at_same_flops"] is None else f"{r['baseline_val_loss_at_same_flops']:.4f}"
+        lines.append(f"| {name} | {r['final_val_loss']:.4f} | {same} | {r['total_flops']:.3e} | {flops} | {secs} | "
+                     f"{pct(r['flops_saving'])} | {pct(r['wallclock_saving'])} | {r['transition_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,8 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     assert set(on_disk["variants"]) == {"baseline", "vcycle"}
     base, vcycle = on_disk["variants"]["baseline"], on_disk["variants"]["vcycle"]
     fields = {"final_val_loss", "total_flops", "total_seconds", "reached_target", "flops_to_target",
-              "seconds_to_target", "flops_saving", "wallclock_saving", "transition_seconds", "transitions", "evals"}
+              "seconds_to_target", "flops_saving", "wallclock_saving", "transition_seconds", "transitions", "evals",
+              "baseline_val_loss_at_same_flops"}
     assert set(base) == fields and set(vcycle) == fields
     assert on_disk["target_val_loss"] == base["final_val_loss"] == base["evals"][-1]["val_loss"]
     # The baseline reaches its own final loss at its own cost: saving 0 by construction.
@@ -58,6 +59,12 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     else:
         assert vcycle["flops_saving"] is None and vcycle["seconds_to_target"] is None
     assert all(math.isfinite(e["val_loss"]) for e in vcycle["evals"])
+    assert base["baseline_val_loss_at_same_flops"] == pytest.approx(base["final_val_loss"])
+    # The V-cycle's compute lies inside the baseline's curve: an interpolated baseline loss there.
+    evals = base["evals"]
+    at = vcycle["baseline_val_loss_at_same_flops"]
+    assert min(e["val_loss"] for e in evals) <= at <= max(e["val_loss"] for e in evals) or \
+        vcycle["total_flops"] < evals[0]["flops"] and at is None
     assert (out / "results.md").read_text().count("|") > 10
     for plot in ("loss_vs_flops.png", "loss_vs_time.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
