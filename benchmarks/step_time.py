@@ -89,8 +89,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     init_distributed()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}")
-    print(f"| configuration | msds step (ms) | HF step (ms) | msds / HF |")
-    print(f"|---|---|---|---|")
+    print("| configuration | msds step (ms) | HF step (ms) | msds / HF |")
+    print("|---|---|---|---|")
     for name, (fields, batch, seq) in CONFIGS.items():
         cfg, ours, theirs = build_pair(fields)
         step_ours, step_theirs = step_fns(cfg, ours, theirs, batch, seq)

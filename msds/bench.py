@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import torch.distributed as dist

@@ -38,7 +38,8 @@ def _fill(section: dict, key: str, value, path: str) -> None:
 
 def read_ds_template(cfg: RunConfig) -> dict:
     """The DeepSpeed JSON the run starts from (training.ds_config, else ds_configs/zero<stage>.json)."""
-    path = Path(cfg.training.ds_config) if cfg.training.ds_config else REPO_DS_CONFIGS / f"zero{cfg.training.zero_stage}.json"
+    default = REPO_DS_CONFIGS / f"zero{cfg.training.zero_stage}.json"
+    path = Path(cfg.training.ds_config) if cfg.training.ds_config else default
     if not path.is_file():
         raise ConfigError(f"training.ds_config: {path} does not exist")
     try:

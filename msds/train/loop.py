@@ -274,7 +274,8 @@ class Trainer:
             torch.manual_seed(cfg.training.seed)
             engine = self.new_engine(self.phase)
             self.say(f"training {cfg.model.arch} for {cfg.training.steps} steps in {len(self.phases)} phase(s) "
-                     f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel {self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
+                     f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel "
+                     f"{self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
         steps_here, exited_early = 0, False
         total = cfg.training.steps
