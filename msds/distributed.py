@@ -56,12 +56,6 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
     megatron_cpu.seed_model_parallel_rng(seed)
 
 
-def tensor_parallel_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
 def data_parallel_group():
     from megatron.core import parallel_state
 

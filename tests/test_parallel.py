@@ -83,7 +83,19 @@ def test_tensor_parallel_size_that_does_not_divide_a_level(train_corpus):
     # heads 4 -> 2 -> 1 over the recipe's two levels: TP=2 cannot split one head.
     cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.tensor=2",
                                    "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 2}, {hidden: 1, heads: 2, ffn: 1, layers: 1}]"])
-    with pytest.raises(ConfigError, match=r"heads|num_heads"):
+    with pytest.raises(ConfigError, match=r"^multilevel\.levels\[1\]\.heads: factor 2 does not divide num_heads 2 "
+                                          r"in each of 2 shards.*parallel\.tensor=2"):
+        level_maps(cfg)
+    # FFN 6 split over 2 ranks cannot be halved inside each 3-wide shard.
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.tensor=2", "model.ffn_size=6",
+                                   "multilevel.levels=[{hidden: 1, heads: 1, ffn: 2, layers: 1}]",
+                                   "multilevel.phase_steps=[6,6,6]"])
+    with pytest.raises(ConfigError, match=r"^multilevel\.levels\[0\]\.ffn: factor 2 does not divide ffn_size 6 "
+                                          r"in each of 2 shards.*parallel\.tensor=2"):
+        level_maps(cfg)
+    # And a level-1 model the tensor-parallel size cannot split at all.
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.tensor=3"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tensor: 3 does not divide num_heads 4 of the level-1 model"):
         level_maps(cfg)
 
 

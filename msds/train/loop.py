@@ -259,11 +259,15 @@ class Trainer:
 
         signal.signal(getattr(signal, name), note)
 
-    def any_rank_signalled(self) -> bool:
-        """The signal may reach only some ranks; all of them must stop at the same step."""
-        flag = torch.tensor([1.0 if self.signalled else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def reduce_step(self, losses: list[torch.Tensor]) -> tuple[float, bool]:
+        """The step's loss averaged over data-parallel replicas, and whether any rank received the
+        stop signal (it may reach only some; all must stop at the same step), in one collective.
+        Summing over every rank is the data-parallel mean: tensor-parallel ranks of one replica
+        hold the same loss."""
+        mean = torch.stack(losses).mean()
+        packed = torch.stack([mean, torch.tensor(float(self.signalled), device=mean.device)])
+        dist.all_reduce(packed)
+        return packed[0].item() / self.world, packed[1].item() > 0
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -277,14 +281,14 @@ class Trainer:
                      f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel "
                      f"{self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
-        steps_here, exited_early = 0, False
+        steps_here, exited_early, any_rank_signalled = 0, False, False
         total = cfg.training.steps
         while self.state.step < total:
             if self.state.step == self.phase.last_step:
                 engine = self.transition(engine)
                 continue
             stop = "exit_after_steps" if cfg.training.exit_after_steps and steps_here >= cfg.training.exit_after_steps \
-                else cfg.training.exit_signal if self.any_rank_signalled() else None
+                else cfg.training.exit_signal if any_rank_signalled else None
             if stop:
                 self.save(engine, stop)
                 self.say(f"stopped at step {self.state.step} ({stop}); run again with the same config to resume")
@@ -298,8 +302,7 @@ class Trainer:
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach())
-            loss = torch.stack(losses).mean()
-            dist.all_reduce(loss, group=data_parallel_group())
+            loss, any_rank_signalled = self.reduce_step(losses)
             seconds = time.perf_counter() - start
             model_cfg = level_model(cfg, self.maps, self.phase.level)
             self.state.step += 1
@@ -307,7 +310,7 @@ class Trainer:
             self.state.flops += flops_per_sample(model_cfg, cfg.data.seq_len, keep) * self.samples_per_step
             self.state.train_seconds += seconds
             steps_here += 1
-            self.log.step({"step": self.state.step, "level": self.phase.level, "loss": loss.item() / self.dp_size,
+            self.log.step({"step": self.state.step, "level": self.phase.level, "loss": loss,
                            "lr": engine.get_lr()[0], "tokens_per_s": self.tokens_per_step / seconds,
                            "flops": self.state.flops, "train_seconds": self.state.train_seconds,
                            "consumed_samples": self.state.consumed_samples,

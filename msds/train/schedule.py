@@ -25,19 +25,25 @@ class Phase:
 def level_maps(cfg: RunConfig) -> list[LevelMap]:
     """maps[k] turns level k+1 into level k+2 (0-based list; level 1 is `cfg.model`). With tensor
     parallelism, heads and FFN are grouped inside each rank's shard, so that a transition needs no
-    communication along the tensor-parallel axis."""
+    communication along the tensor-parallel axis; a grouping that fits every shard also leaves every
+    smaller level divisible by the tensor-parallel size."""
     tp = cfg.parallel.tensor
     shards = cfg.multilevel.shards or tp
-    check_tensor_parallel(cfg.model, tp, "model")
+    check_tensor_parallel(cfg.model, tp, "level-1")
     maps, large = [], cfg.model
     if not cfg.multilevel.enabled:
         return maps
     for i, level in enumerate(cfg.multilevel.levels):
         path = f"multilevel.levels[{i}]"
-        level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
-                               layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
-                               shards={"heads": shards, "ffn": shards}, path=path)
-        check_tensor_parallel(level_map.small, tp, f"level {i + 2} ({path})")
+        try:
+            level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
+                                   layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
+                                   shards={"heads": shards, "ffn": shards}, path=path)
+        except ConfigError as exc:
+            if shards == 1:
+                raise
+            raise ConfigError(f"{exc} (heads and FFN are grouped inside each of the {shards} shards of "
+                              f"parallel.tensor={tp} / multilevel.shards)") from exc
         maps.append(level_map)
         large = level_map.small
     return maps

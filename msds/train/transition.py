@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -49,7 +49,6 @@ class TransitionRecord:
     from_level: int
     to_level: int
     seconds: float
-    details: dict = field(default_factory=dict)
 
 
 def _dp_group():
@@ -142,6 +141,5 @@ def decoalesce_engine(engine, run_cfg, level_map: LevelMap, saved: SavedLevel, a
     new_engine = build_engine(run_cfg, level_map.large, weights, peak_lr, lr_lambda)
     if moments is not None:
         set_moments(new_engine, moments, step)
-    record = TransitionRecord("up", saved.level + 1, saved.level, time.perf_counter() - start,
-                              {"alpha": alpha})
+    record = TransitionRecord("up", saved.level + 1, saved.level, time.perf_counter() - start)
     return new_engine, record
