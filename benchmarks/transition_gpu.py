@@ -1,0 +1,122 @@
+"""A whole BERT-Large level transition on one GPU, next to a BERT-Large training step.
+
+    python benchmarks/transition_gpu.py [--json out.json]
+
+The transition is what msds/train/transition.py does on each rank between reading the engine's
+fp32 weights and Adam moments and building the next engine: coalesce the parameters and both
+moments (down), and de-coalesce + interpolate them with the saved large state (up), for the level
+hidden/2, heads/2, FFN/2, layers/2 (BERT-Large 24L/1024H -> 12L/512H). It runs twice: on CUDA
+tensors (the fused Triton kernels, through tensor_ops' dispatch) and on the same tensors in host
+memory (the PyTorch path a CPU run takes).
+
+The training step is Hugging Face's BertForMaskedLM with BERT-Large's shapes, bf16 autocast,
+fused AdamW, at BERT's phase-1 shape (micro-batch 64 x 128 tokens) - the step a V-cycle phase
+repeats hundreds of times between two transitions. It needs only torch and transformers, so the
+script runs where DeepSpeed and megatron-core are not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from msds.config import model_config  # noqa: E402
+from msds.model.roles import expected_shapes  # noqa: E402
+from msds.multilevel.operators import coalesce, decoalesce, interpolate, plan_level  # noqa: E402
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` runs after one warm-up."""
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def transition_seconds(device: str, repeats: int) -> dict:
+    cfg = model_config("bert-large")
+    level = plan_level(cfg, hidden=2, heads=2, ffn=2, layers=2)
+    gen = torch.Generator().manual_seed(0)
+    large = {kind: {n: torch.randn(s, generator=gen).abs().to(device) for n, s in expected_shapes(cfg).items()}
+             for kind in KINDS}
+    small = {kind: coalesce(large[kind], level, kind=kind) for kind in KINDS}
+
+    def down():
+        for kind in KINDS:
+            coalesce(large[kind], level, kind=kind)
+
+    def up():
+        for kind in KINDS:
+            interpolate(decoalesce(small[kind], level, kind=kind), large[kind], 0.5)
+
+    numel = sum(t.numel() for t in large["param"].values())
+    return {"device": device, "parameters": numel, "down_s": timed(down, device, repeats),
+            "up_s": timed(up, device, repeats)}
+
+
+def bert_large_step_seconds(micro_batch: int, seq_len: int, repeats: int) -> float:
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
+                                     num_attention_heads=16, intermediate_size=4096,
+                                     attn_implementation="sdpa")
+    model = transformers.BertForMaskedLM(config).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device="cuda")
+    labels = torch.where(torch.rand(ids.shape, device="cuda") < 0.15, ids, torch.full_like(ids, -100))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    return timed(step, "cuda", repeats)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("transition_gpu.py needs a CUDA GPU")
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "cuda": transition_seconds("cuda", repeats=5), "cpu": transition_seconds("cpu", repeats=1)}
+    step = bert_large_step_seconds(args.micro_batch, args.seq_len, repeats=10)
+    results["bert_large_step_s"] = step
+    results["step_shape"] = [args.micro_batch, args.seq_len]
+    cuda = results["cuda"]
+    results["transition_pair_in_steps"] = (cuda["down_s"] + cuda["up_s"]) / step
+    print(json.dumps(results, indent=1))
+    print(f"\nBERT-Large transition on {results['gpu']}: down {cuda['down_s'] * 1e3:.1f} ms, up "
+          f"{cuda['up_s'] * 1e3:.1f} ms (host: {results['cpu']['down_s']:.2f} s / {results['cpu']['up_s']:.2f} s); "
+          f"training step {step * 1e3:.1f} ms: a down+up pair costs {results['transition_pair_in_steps']:.2f} steps")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
