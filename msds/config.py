@@ -410,7 +410,9 @@ class ParallelConfig:
     """Tensor-parallel size (megatron-core layers): heads, FFN and vocabulary are split over this
     many ranks at every level, and transitions group heads and FFN inside each rank's shard."""
     pipeline: int = 1
-    """Pipeline-parallel size. Only 1 is implemented so far."""
+    """Pipeline-parallel size (DeepSpeed's PipelineModule): each stage holds the same number of
+    layers at every level (the first stage also the embeddings, the last the head), and transitions
+    group layers inside each stage. DeepSpeed pipelines take ZeRO stage 0 or 1 only."""
 
 
 @dataclass
@@ -442,11 +444,14 @@ class RunConfig:
                               f"{self.model.max_positions}")
         if self.parallel.tensor <= 0:
             raise ConfigError(f"parallel.tensor: must be positive, got {self.parallel.tensor}")
-        if self.parallel.pipeline != 1:
-            raise ConfigError(f"parallel.pipeline: {self.parallel.pipeline}; pipeline parallelism is not "
-                              f"implemented in msds yet, use parallel.pipeline=1 (tensor and data parallelism)")
+        if self.parallel.pipeline <= 0:
+            raise ConfigError(f"parallel.pipeline: must be positive, got {self.parallel.pipeline}")
         if self.training.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {self.training.zero_stage}")
+        if self.parallel.pipeline > 1 and self.training.zero_stage > 1:
+            raise ConfigError(f"training.zero_stage: {self.training.zero_stage} with parallel.pipeline="
+                              f"{self.parallel.pipeline}; DeepSpeed pipelines support ZeRO stage 0 or 1 only "
+                              f"(set training.zero_stage=1, or parallel.pipeline=1 for ZeRO 2/3)")
         if self.optimizer.lr <= 0:
             raise ConfigError(f"optimizer.lr: must be positive, got {self.optimizer.lr}")
         ml = self.multilevel

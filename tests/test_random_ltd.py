@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from msds.config import ConfigError, model_config
-from msds.model.transformer import Transformer
+from msds.model.transformer import Transformer, route_tokens, sdpa_mask
 from msds.train import random_ltd
 from msds.train.schedule import flops_per_sample
 
@@ -26,7 +26,7 @@ def model(arch, layers=4):
 
 
 def kept_indices(seed, batch, seq_len, keep):
-    """The subset Transformer._routed draws after torch.manual_seed(seed)."""
+    """The subset route_tokens draws after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
     return torch.rand(batch, seq_len).argsort(dim=1)[:, :keep].sort(dim=1).values
 
@@ -40,9 +40,9 @@ def test_keeping_every_token_is_exactly_the_plain_model(arch):
     extra = {} if arch == "gpt" else {"attention_mask": mask}
     h = m.embeddings(ids)
     layer = m.layers[1]
-    full = layer(h, m.attention_mask(mask if arch == "bert" else None))
+    full = layer(h, sdpa_mask(arch, mask))
     # Routing all S tokens (a sorted permutation of every position) is the identity.
-    assert torch.equal(m._routed(layer, h, extra.get("attention_mask"), 20), full)
+    assert torch.equal(route_tokens(layer, h, extra.get("attention_mask"), 20, arch), full)
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
@@ -51,7 +51,7 @@ def test_dropped_tokens_pass_unchanged_and_get_no_gradient(arch):
     layer = m.layers[1]
     h = torch.randn(2, 16, 64, requires_grad=True)
     torch.manual_seed(3)
-    out = m._routed(layer, h, None, 6)
+    out = route_tokens(layer, h, None, 6, m.cfg.arch)
     kept = kept_indices(3, 2, 16, 6)
     dropped = torch.ones(2, 16, dtype=torch.bool)
     dropped[torch.arange(2)[:, None], kept] = False
@@ -83,7 +83,7 @@ def test_encoder_mask_is_the_gathered_padding_mask():
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, 7:] = 0
     torch.manual_seed(5)
-    out = m._routed(layer, h, mask, 6)
+    out = route_tokens(layer, h, mask, 6, m.cfg.arch)
     kept = kept_indices(5, 2, 12, 6)
     rows = torch.arange(2)[:, None]
     expected = layer(h[rows, kept], mask[rows, kept].bool()[:, None, None, :])
@@ -95,14 +95,14 @@ def test_decoder_mask_is_the_top_left_causal_corner():
     layer = m.layers[1]
     h = torch.randn(1, 12, 64)
     torch.manual_seed(7)
-    out = m._routed(layer, h, None, 6)
+    out = route_tokens(layer, h, None, 6, m.cfg.arch)
     kept = kept_indices(7, 1, 12, 6)[0]
     # Sorted indices keep order, so the subset's causal mask is the full causal mask restricted
     # to the kept rows and columns; a later kept token must not change an earlier one's output.
     changed = h.clone()
     changed[0, kept[-1]] += 10.0
     torch.manual_seed(7)
-    out_changed = m._routed(layer, changed, None, 6)
+    out_changed = route_tokens(layer, changed, None, 6, m.cfg.arch)
     assert torch.equal(out[0, kept[:-1]], out_changed[0, kept[:-1]])
     assert torch.allclose(out[0, kept], layer(h[:, kept])[0], atol=1e-6)
 

@@ -4,20 +4,25 @@ Architecture only. Parallelism comes from megatron-core's tensor-parallel layers
 parallel size is whatever megatron's parallel state says (msds.distributed sets it up); every other
 concern (engines, checkpoints, transitions, metrics) lives outside this file.
 
-The model is a flat sequence of stages, `embeddings -> layers[0..N-1] -> head`, so that a pipeline
-can cut it between any two stages without rewriting it. Parameter names are declared, with the
-meaning of each axis, in msds/model/roles.py.
+The model is a flat sequence of units, `word embeddings -> other embeddings -> layers[0..N-1] ->
+head`, so that a pipeline (msds/model/pipeline.py) can cut it between any two units and reuse these
+modules unchanged. Each unit draws its initial weights from a random stream of its own, so a model
+has the same weights whatever its pipeline layout. Parameter names are declared, with the meaning of
+each axis, in msds/model/roles.py.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import zlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
 from torch import nn
 
-from msds.config import ModelConfig
+from msds.config import ConfigError, ModelConfig
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
     from apex.normalization import FusedLayerNorm as LayerNorm
@@ -29,7 +34,7 @@ def _normal_init(std: float):
     return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
 
 
-def _megatron_config(cfg: ModelConfig) -> ModelParallelConfig:
+def megatron_config(cfg: ModelConfig) -> ModelParallelConfig:
     # CPU initialisation builds each full weight from the global RNG and keeps this rank's slice,
     # so a model has the same weights whatever its tensor-parallel size.
     return ModelParallelConfig(
@@ -41,15 +46,58 @@ def _megatron_config(cfg: ModelConfig) -> ModelParallelConfig:
     )
 
 
-class Embeddings(nn.Module):
-    """Word (vocab-parallel) + learned position (+ token-type and LayerNorm for BERT) embeddings."""
+def init_seed() -> int:
+    """A model's initialisation seed, drawn from the global RNG (so `torch.manual_seed` decides it)."""
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+@contextlib.contextmanager
+def unit_rng(seed: int, unit: str):
+    """Build one unit of the model from a random stream of its own, derived from the model's seed
+    and the unit's name: a pipeline stage builds only its own units, and they must come out the same
+    as in the whole model. The global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}/{unit}".encode()))
+        yield
+
+
+class WordEmbedding(tensor_parallel.VocabParallelEmbedding):
+    """The (vocab-parallel) word embeddings, which the output layer reuses as its weight."""
 
     def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
+        super().__init__(cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp,
+                         tp_group=parallel_state.get_tensor_model_parallel_group())
+
+
+def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """SDPA mask from a (batch, seq) keep-mask; None when nothing is masked (GPT: causal only)."""
+    if attention_mask is None or arch == "gpt":
+        return None
+    return attention_mask.bool()[:, None, None, :]
+
+
+def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,
+                 arch: str) -> torch.Tensor:
+    """Random-LTD: `layer(h, sdpa_mask)` sees a random sorted subset of `keep_tokens` tokens of each
+    sample; the other tokens skip it unchanged (and get no gradient through it)."""
+    batch, seq_len, width = h.shape
+    # A fresh subset per layer and per sample, sorted so the kept tokens stay in order: the
+    # causal mask of the subset is then the top-left corner of the full one.
+    kept = torch.rand(batch, seq_len, device=h.device).argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
+    index = kept.unsqueeze(-1).expand(batch, keep_tokens, width)
+    mask = None if attention_mask is None else sdpa_mask(arch, attention_mask.gather(1, kept))
+    return h.scatter(1, index, layer(h.gather(1, index), mask))
+
+
+class Embeddings(nn.Module):
+    """Word (vocab-parallel) + learned position (+ token-type and LayerNorm for BERT) embeddings.
+    `word` is None in a pipeline, where the first stage's tied word embedding looks the words up."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig,
+                 word: Optional[WordEmbedding]):
         super().__init__()
         self.arch = cfg.arch
-        self.word = tensor_parallel.VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp,
-            tp_group=parallel_state.get_tensor_model_parallel_group())
+        self.word = word
         self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         nn.init.normal_(self.position.weight, std=cfg.init_std)
         if cfg.arch == "bert":
@@ -59,8 +107,10 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, input_ids, token_type_ids=None):
-        seq_len = input_ids.shape[1]
-        h = self.word(input_ids) + self.position.weight[:seq_len]
+        return self.add_positions(self.word(input_ids), token_type_ids)
+
+    def add_positions(self, word_vectors, token_type_ids=None):
+        h = word_vectors + self.position.weight[:word_vectors.shape[1]]
         if self.arch == "bert":
             if token_type_ids is None:
                 h = h + self.token_type.weight[0]
@@ -186,51 +236,38 @@ class LMHead(nn.Module):
 
 class Transformer(nn.Module):
     """BERT or GPT, as `cfg.arch` says. `forward` returns the mean token loss when `labels` are
-    given (label -100 = ignored), else this rank's vocab slice of the logits."""
+    given (label -100 = ignored), else this rank's vocab slice of the logits. `seed` fixes the
+    initial weights (default: drawn from the global RNG)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
         super().__init__()
-        cfg.validate()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        for name, size in (("num_heads", cfg.num_heads), ("ffn_size", cfg.ffn_size),
-                           ("vocab_size", cfg.vocab_size)):
-            if size % tp:
-                from msds.config import ConfigError
-                raise ConfigError(f"model.{name}: {size} is not divisible by the tensor-parallel size {tp}")
+        check_buildable(cfg)
         self.cfg = cfg
-        mp = _megatron_config(cfg)
-        self.embeddings = Embeddings(cfg, mp)
-        self.layers = nn.ModuleList(Block(cfg, mp) for _ in range(cfg.num_layers))
-        self.head = LMHead(cfg, mp)
-
-    def attention_mask(self, attention_mask):
-        """SDPA mask from a (batch, seq) keep-mask; None when nothing is masked (GPT: causal only)."""
-        if attention_mask is None or self.cfg.arch == "gpt":
-            return None
-        return attention_mask.bool()[:, None, None, :]
+        seed = init_seed() if seed is None else seed
+        mp = megatron_config(cfg)
+        with unit_rng(seed, "embeddings.word"):
+            word = WordEmbedding(cfg, mp)
+        with unit_rng(seed, "embeddings"):
+            self.embeddings = Embeddings(cfg, mp, word)
+        self.layers = nn.ModuleList()
+        for i in range(cfg.num_layers):
+            with unit_rng(seed, f"layers.{i}"):
+                self.layers.append(Block(cfg, mp))
+        with unit_rng(seed, "head"):
+            self.head = LMHead(cfg, mp)
 
     def hidden_states(self, input_ids, token_type_ids=None, attention_mask=None, keep_tokens=None):
         """Final hidden states. With `keep_tokens` r < seq_len (random-LTD), every layer but the first
-        and the last sees only a random sorted subset of r tokens of each sample; the other tokens
-        skip that layer unchanged (and get no gradient through it)."""
-        mask = self.attention_mask(attention_mask)
+        and the last sees only a random subset of r tokens of each sample (`route_tokens`)."""
+        mask = sdpa_mask(self.cfg.arch, attention_mask)
         h = self.embeddings(input_ids, token_type_ids)
         drop = keep_tokens is not None and keep_tokens < h.shape[1]
         for i, layer in enumerate(self.layers):
             if drop and 0 < i < len(self.layers) - 1:
-                h = self._routed(layer, h, attention_mask, keep_tokens)
+                h = route_tokens(layer, h, attention_mask, keep_tokens, self.cfg.arch)
             else:
                 h = layer(h, mask)
         return h
-
-    def _routed(self, layer, h, attention_mask, keep_tokens):
-        batch, seq_len, width = h.shape
-        # A fresh subset per layer and per sample, sorted so the kept tokens stay in order: the
-        # causal mask of the subset is then the top-left corner of the full one.
-        kept = torch.rand(batch, seq_len, device=h.device).argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
-        index = kept.unsqueeze(-1).expand(batch, keep_tokens, width)
-        mask = None if attention_mask is None else self.attention_mask(attention_mask.gather(1, kept))
-        return h.scatter(1, index, layer(h.gather(1, index), mask))
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None):
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
@@ -238,6 +275,15 @@ class Transformer(nn.Module):
         if labels is None:
             return logits
         return token_loss(logits, labels)
+
+
+def check_buildable(cfg: ModelConfig) -> None:
+    """A valid config whose heads, FFN and vocabulary split over this tensor-parallel group."""
+    cfg.validate()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for name, size in (("num_heads", cfg.num_heads), ("ffn_size", cfg.ffn_size), ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ConfigError(f"model.{name}: {size} is not divisible by the tensor-parallel size {tp}")
 
 
 def token_loss(vocab_parallel_logits, labels):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from msds.data.sources import sha256_file
 from msds.errors import MsdsError
+from msds.model.roles import tensor_parallel_dim
 
 COMPLETE = "COMPLETE"
 
@@ -116,12 +117,12 @@ def read_state(ckpt_dir: Path, tag: str) -> dict:
 
 def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
     """An msds model checkpoint (TP=1 shapes) from a training checkpoint written with ZeRO 0-2 at
-    any tensor-parallel size: DeepSpeed's per-tensor-parallel-rank module files are concatenated
-    along the axes megatron-core splits. (ZeRO-3 keeps no module weights in those files: such runs
-    are exported by the trainer itself, to <run_dir>/model.)"""
+    any tensor- and pipeline-parallel size: DeepSpeed's per-tensor-parallel-rank module files (per
+    pipeline layer, for pipelines) are concatenated along the axes megatron-core splits. (ZeRO-3
+    keeps no module weights in those files: such runs are exported by the trainer itself, to
+    <run_dir>/model.)"""
     from msds.checkpoint import save_model
     from msds.config import ModelConfig, from_dict
-    from msds.model.roles import tensor_parallel_dim
 
     ckpt_dir = Path(ckpt_dir)
     tag = tag or (ckpt_dir / "latest").read_text().strip()
@@ -130,17 +131,39 @@ def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
         raise MsdsError(f"{ckpt_dir / tag}: {problem}")
     state = read_state(ckpt_dir, tag)
     cfg = from_dict(ModelConfig, state["model"], "model").validate()
-    shards = []
-    for rank in range(state["tensor_parallel"]):
-        path = ckpt_dir / tag / f"mp_rank_{rank:02d}_model_states.pt"
-        module = torch.load(path, map_location="cpu", weights_only=False)["module"]
-        if not module or any(t.numel() == 0 for t in module.values() if torch.is_tensor(t)):
-            raise MsdsError(f"{path}: holds no full module weights (a ZeRO-3 checkpoint); use the model the "
-                            f"run exported to <run_dir>/model")
-        shards.append({k: v.float() for k, v in module.items() if torch.is_tensor(v) and not k.endswith("_extra_state")})
+    read = _pipeline_module if state.get("pipeline_parallel", 1) > 1 else _flat_module
+    shards = [read(ckpt_dir / tag, cfg, rank) for rank in range(state["tensor_parallel"])]
     tensors = {name: torch.cat([s[name] for s in shards], dim=tensor_parallel_dim(name))
                if tensor_parallel_dim(name) is not None else shards[0][name] for name in shards[0]}
     return save_model(out_dir, cfg, tensors)
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in state.items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def _flat_module(tag_dir: Path, cfg, tp_rank: int) -> dict[str, torch.Tensor]:
+    path = tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    if not module or any(t.numel() == 0 for t in module.values() if torch.is_tensor(t)):
+        raise MsdsError(f"{path}: holds no full module weights (a ZeRO-3 checkpoint); use the model the "
+                        f"run exported to <run_dir>/model")
+    return _tensors(module)
+
+
+def _pipeline_module(tag_dir: Path, cfg, tp_rank: int) -> dict[str, torch.Tensor]:
+    """One tensor-parallel rank's weights from a pipeline's per-layer files, under flat names."""
+    from msds.model.pipeline import unit_prefixes
+
+    out = {}
+    for index, prefix in enumerate(unit_prefixes(cfg)):
+        if prefix is None:
+            continue                      # the tied repeat: its weight is layer 0's
+        path = tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+        if not path.is_file():
+            raise MsdsError(f"{path}: missing; the checkpoint does not hold every pipeline layer")
+        out.update({prefix + k: v for k, v in _tensors(torch.load(path, map_location="cpu", weights_only=False)).items()})
+    return out
 
 
 def _run_convert(args) -> int:

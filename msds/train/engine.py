@@ -1,5 +1,6 @@
-"""DeepSpeed engines for msds models: the ds_config, the engine, and full-tensor access to its
-fp32 weights and Adam moments whatever the ZeRO stage.
+"""DeepSpeed engines for msds models: the ds_config, the engine (a PipelineEngine when
+parallel.pipeline > 1), one training step and one evaluation whatever the engine, and full-tensor
+access to its fp32 weights and Adam moments whatever the ZeRO stage, under the flat model's names.
 
 DeepSpeed keeps fp32 master weights (and ZeRO partitions of them) that overwrite any in-place edit
 of the module's parameters at the next step (../shared/reference/STACK.md). msds therefore never
@@ -19,6 +20,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from msds.config import ConfigError, ModelConfig, RunConfig
 from msds.distributed import DeepSpeedMPU
+from msds.model.pipeline import PipelineTransformer, named_parameters, pipeline_batch
 from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 
@@ -94,17 +96,53 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_engine(cfg: RunConfig, model_cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None,
                  peak_lr: float, lr_lambda):
-    """A fresh model (random init, or `tensors`), wrapped in a fresh DeepSpeed engine."""
-    model = Transformer(model_cfg)
+    """A fresh model (random init, or `tensors` by flat-model name: this stage's), wrapped in a
+    fresh DeepSpeed engine."""
+    pipelined = cfg.parallel.pipeline > 1
+    model = PipelineTransformer(model_cfg) if pipelined else Transformer(model_cfg)
     if tensors is not None:
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in named_parameters(model):
                 p.copy_(tensors[name])
+    # A pipeline brings its own process-group grid (DeepSpeed refuses an mpu then).
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, cfg.optimizer.weight_decay),
-        config=ds_config(cfg, peak_lr), dist_init_required=False, mpu=DeepSpeedMPU,
+        config=ds_config(cfg, peak_lr), dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
     return engine
+
+
+def is_pipeline(engine) -> bool:
+    return isinstance(engine.module, PipelineTransformer)
+
+
+def train_step(engine, batches, grad_accum: int, keep_tokens: int | None) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss of them."""
+    if is_pipeline(engine):
+        engine.module.routing.keep_tokens = keep_tokens
+        arch = engine.module.cfg.arch
+        return engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
+    losses = []
+    for _ in range(grad_accum):
+        loss = engine(**next(batches), keep_tokens=keep_tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def evaluate(engine, batches: list[dict]) -> float:
+    """Mean loss over `batches` (every token, no random-LTD)."""
+    if is_pipeline(engine):
+        engine.module.routing.keep_tokens = None
+        arch = engine.module.cfg.arch
+        loss = engine.eval_batch(iter([pipeline_batch(b, arch) for b in batches]), num_micro_batches=len(batches))
+        return loss.item()
+    engine.eval()
+    with torch.no_grad():
+        losses = [engine(**batch).item() for batch in batches]
+    engine.train()
+    return sum(losses) / len(losses)
 
 
 def _plain_optimizer_state(engine, param) -> dict:
@@ -117,7 +155,7 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
     on the engine's device, gathered one tensor at a time (under ZeRO-3 the extra peak memory is one
     full tensor). On GPUs the transition operators then run there, through the fused kernels."""
     out = {}
-    for name, p in engine.module.named_parameters():
+    for name, p in named_parameters(engine.module):
         full = safe_get_full_fp32_param(p)
         out[name] = (p.detach() if full is None else full).float().clone()
     return out
@@ -144,11 +182,24 @@ def gather_tensor_parallel(tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def gather_pipeline_stages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's tensors (host copies), merged, on every rank of this pipeline."""
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages == 1:
+        return tensors
+    pieces = [None] * stages
+    dist.all_gather_object(pieces, {name: t.cpu() for name, t in tensors.items()},
+                           group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: t for piece in pieces for name, t in piece.items()}
+
+
 def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
     """Adam's exp_avg and exp_avg_sq of every parameter, like `full_weights`."""
     out = {key: {} for key in MOMENTS}
     _link_moments(engine)
-    for name, p in engine.module.named_parameters():
+    for name, p in named_parameters(engine.module):
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
             if full is None:
@@ -197,7 +248,7 @@ def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) 
     """Install full Adam moments and the step count into a fresh engine's (partitioned) state."""
     _materialise_optimizer_state(engine)
     base = _base_optimizer(engine)
-    for name, p in engine.module.named_parameters():
+    for name, p in named_parameters(engine.module):
         for key in MOMENTS:
             value = moments[key][name]
             if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):

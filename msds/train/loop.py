@@ -27,7 +27,8 @@ from msds.data import eval_batches, load_tokenizer_info, train_batches
 from msds.distributed import data_parallel_group, init_distributed
 from msds.model.roles import expected_shapes
 from msds.train import checkpointing, random_ltd
-from msds.train.engine import build_engine, destroy_engine, full_weights, gather_tensor_parallel, read_ds_template
+from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
+                               gather_tensor_parallel, read_ds_template, train_step)
 from msds.train.metrics import MetricsLogger
 from msds.train.schedule import flops_per_sample, level_maps, level_model, lr_multiplier, plan_phases
 from msds.train.transition import SavedLevel, coalesce_engine, decoalesce_engine
@@ -76,8 +77,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # Data parallelism is what is left of the world after tensor parallelism; tensor-parallel
-        # ranks of one model replica read the same samples.
+        # Data parallelism is what is left of the world after tensor and pipeline parallelism; the
+        # tensor-parallel ranks and pipeline stages of one model replica read the same samples.
         self.dp_rank, self.dp_size = dist.get_rank(data_parallel_group()), dist.get_world_size(data_parallel_group())
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
@@ -144,11 +145,7 @@ class Trainer:
                              consumed_samples=self.state.consumed_samples)
 
     def evaluate(self, engine) -> float:
-        engine.eval()
-        with torch.no_grad():
-            losses = [engine(**batch).item() for batch in self.eval_set]
-        engine.train()
-        return sum(losses) / len(losses)
+        return evaluate(engine, self.eval_set)
 
     def log_eval(self, engine) -> float:
         loss = self.evaluate(engine)
@@ -165,7 +162,7 @@ class Trainer:
         self.saved_at_step = self.state.step
         state = {"train": asdict(self.state), "transitions": self.transitions,
                  "model": asdict(level_model(self.cfg, self.maps, self.phase.level)),
-                 "tensor_parallel": self.cfg.parallel.tensor}
+                 "tensor_parallel": self.cfg.parallel.tensor, "pipeline_parallel": self.cfg.parallel.pipeline}
         rank_state = {"saved": [s.state_dict() for s in self.saved], "rng": torch.get_rng_state()}
         tag = checkpointing.save(engine, self.ckpt_dir, self.state.step, state, rank_state, self.cfg.checkpoint.keep)
         self.log.event("checkpoint", {"step": self.state.step, "tag": tag, "reason": reason},
@@ -191,7 +188,8 @@ class Trainer:
     def export(self, engine) -> None:
         """The trained model as an msds model checkpoint with TP=1 shapes (<run_dir>/model), ready
         for `msds export-hf`, whatever the run's parallel layout."""
-        tensors = {name: t.cpu() for name, t in gather_tensor_parallel(full_weights(engine)).items()}
+        tensors = gather_pipeline_stages(gather_tensor_parallel(full_weights(engine)))
+        tensors = {name: t.cpu() for name, t in tensors.items()}
         if self.rank == 0:
             save_model(self.run_dir / "model", level_model(self.cfg, self.maps, self.phase.level), tensors,
                        overwrite=True)
@@ -259,13 +257,12 @@ class Trainer:
 
         signal.signal(getattr(signal, name), note)
 
-    def reduce_step(self, losses: list[torch.Tensor]) -> tuple[float, bool]:
+    def reduce_step(self, loss: torch.Tensor) -> tuple[float, bool]:
         """The step's loss averaged over data-parallel replicas, and whether any rank received the
         stop signal (it may reach only some; all must stop at the same step), in one collective.
-        Summing over every rank is the data-parallel mean: tensor-parallel ranks of one replica
-        hold the same loss."""
-        mean = torch.stack(losses).mean()
-        packed = torch.stack([mean, torch.tensor(float(self.signalled), device=mean.device)])
+        Summing over every rank is the data-parallel mean: the tensor-parallel ranks and pipeline
+        stages of one replica hold the same loss."""
+        packed = torch.stack([loss.float(), torch.tensor(float(self.signalled), device=loss.device)])
         dist.all_reduce(packed)
         return packed[0].item() / self.world, packed[1].item() > 0
 
@@ -278,8 +275,8 @@ class Trainer:
             torch.manual_seed(cfg.training.seed)
             engine = self.new_engine(self.phase)
             self.say(f"training {cfg.model.arch} for {cfg.training.steps} steps in {len(self.phases)} phase(s) "
-                     f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, data parallel "
-                     f"{self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
+                     f"on {self.world} process(es) (tensor parallel {cfg.parallel.tensor}, pipeline parallel "
+                     f"{cfg.parallel.pipeline}, data parallel {self.dp_size}), ZeRO {cfg.training.zero_stage}, {cfg.training.precision}")
         batches = self.batches()
         steps_here, exited_early, any_rank_signalled = 0, False, False
         total = cfg.training.steps
@@ -295,14 +292,9 @@ class Trainer:
                 exited_early = True
                 break
             start = time.perf_counter()
-            losses = []
             keep = self.keep_tokens(self.state.step)
-            for _ in range(cfg.training.grad_accum):
-                loss = engine(**next(batches), keep_tokens=keep)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach())
-            loss, any_rank_signalled = self.reduce_step(losses)
+            loss = train_step(engine, batches, cfg.training.grad_accum, keep)
+            loss, any_rank_signalled = self.reduce_step(loss)
             seconds = time.perf_counter() - start
             model_cfg = level_model(cfg, self.maps, self.phase.level)
             self.state.step += 1
@@ -333,7 +325,8 @@ class Trainer:
 
 def train(cfg: RunConfig) -> RunSummary:
     """Run (or resume) a training run in this process group; callable repeatedly in one process."""
-    init_distributed(tensor_parallel=cfg.parallel.tensor, seed=cfg.training.seed)
+    init_distributed(tensor_parallel=cfg.parallel.tensor, pipeline_parallel=cfg.parallel.pipeline,
+                     seed=cfg.training.seed)
     check_data(cfg)
     run_dir = Path(cfg.run_dir)
     if dist.get_rank() == 0:

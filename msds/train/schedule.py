@@ -26,19 +26,26 @@ def level_maps(cfg: RunConfig) -> list[LevelMap]:
     """maps[k] turns level k+1 into level k+2 (0-based list; level 1 is `cfg.model`). With tensor
     parallelism, heads and FFN are grouped inside each rank's shard, so that a transition needs no
     communication along the tensor-parallel axis; a grouping that fits every shard also leaves every
-    smaller level divisible by the tensor-parallel size."""
-    tp = cfg.parallel.tensor
+    smaller level divisible by the tensor-parallel size. With pipeline parallelism, layers are
+    grouped inside each stage, and every level must keep at least one layer per stage."""
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     shards = cfg.multilevel.shards or tp
     check_tensor_parallel(cfg.model, tp, "level-1")
+    check_pipeline(cfg.model, pp, "level-1")
     maps, large = [], cfg.model
     if not cfg.multilevel.enabled:
         return maps
     for i, level in enumerate(cfg.multilevel.levels):
         path = f"multilevel.levels[{i}]"
+        small_layers, rest = divmod(large.num_layers, level.layers)
+        if pp > 1 and not rest and small_layers % pp:
+            raise ConfigError(f"{path}.layers: level {i + 2} would have {small_layers} layer(s), which the "
+                              f"parallel.pipeline={pp} stages cannot share equally (each stage keeps whole groups "
+                              f"of layers at every level); use a smaller layers factor or fewer pipeline stages")
         try:
             level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
                                    layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
-                                   shards={"heads": shards, "ffn": shards}, path=path)
+                                   shards={"heads": shards, "ffn": shards, "layers": pp}, path=path)
         except ConfigError as exc:
             if shards == 1:
                 raise
@@ -47,6 +54,12 @@ def level_maps(cfg: RunConfig) -> list[LevelMap]:
         maps.append(level_map)
         large = level_map.small
     return maps
+
+
+def check_pipeline(model: ModelConfig, pp: int, where: str) -> None:
+    if model.num_layers % pp:
+        raise ConfigError(f"parallel.pipeline: {pp} stages cannot share the {model.num_layers} layers of the "
+                          f"{where} model equally; choose a pipeline size that divides the layers at every level")
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, where: str) -> None:

@@ -1,0 +1,197 @@
+"""The msds transformer as a DeepSpeed pipeline (`parallel.pipeline` > 1), from transformer.py's
+modules, unchanged.
+
+Layer specs, in order (N layers, P stages):
+
+    0          word embeddings (tied)       first stage: looks the input ids up
+    1          other embeddings             first stage
+    2..N+1     blocks 0..N-1                N/P per stage, in order
+    N+2        word embeddings (tied)       last stage: hands its weight to the head
+    N+3        head                         last stage: logits; the loss is `token_loss`
+
+DeepSpeed keeps the two copies of the word embeddings equal (the last stage's copy is broadcast
+from the first at start and after loading; their gradients are summed before each step). Between
+stages the activations are `(hidden, *extras)`, BERT's attention mask being the only extra; the
+first stage receives `(input_ids,)` (GPT) or `(input_ids, token_type_ids, attention_mask)` (BERT)
+and the last the labels (`pipeline_batch`).
+
+Each unit is built from its own random stream (`unit_rng`), so a pipeline has the initial weights of
+the flat model with the same seed, and every parameter has the flat model's name
+(`named_parameters`): transitions, checkpoint conversion and exports see the same tensors whatever
+the pipeline layout. Stages hold equal numbers of blocks, so a depth grouping planned with
+shards = P (msds.train.schedule.level_maps) keeps every group of layers inside one stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import deepspeed.comm as ds_comm
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from megatron.core import parallel_state
+
+from msds.config import ModelConfig
+from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, check_buildable, init_seed,
+                                    megatron_config, route_tokens, sdpa_mask, token_loss, unit_rng)
+
+TIED_WORD = "word"
+
+
+class Routing:
+    """The random-LTD token count of the current batch (None: every token), shared by a stage's
+    blocks; the trainer sets it before each batch."""
+
+    keep_tokens: Optional[int] = None
+
+
+class PipeWordEmbedding(WordEmbedding):
+    def __init__(self, cfg: ModelConfig, seed: int):
+        with unit_rng(seed, "embeddings.word"):
+            super().__init__(cfg, megatron_config(cfg))
+
+    def forward(self, inputs):
+        input_ids, *rest = inputs
+        return (super().forward(input_ids), *rest)
+
+
+def _hand_over_weight(word: PipeWordEmbedding, inputs):
+    """The last stage's use of the tied word embeddings: the head's output weight."""
+    return inputs[0], word.weight
+
+
+class PipeEmbeddings(Embeddings):
+    def __init__(self, cfg: ModelConfig, seed: int):
+        with unit_rng(seed, "embeddings"):
+            super().__init__(cfg, megatron_config(cfg), word=None)
+
+    def forward(self, inputs):
+        if self.arch == "gpt":
+            return (self.add_positions(inputs[0]),)
+        word_vectors, token_type_ids, attention_mask = inputs
+        return self.add_positions(word_vectors, token_type_ids), attention_mask
+
+
+class PipeBlock(Block):
+    def __init__(self, cfg: ModelConfig, index: int, seed: int, routing: Routing):
+        with unit_rng(seed, f"layers.{index}"):
+            super().__init__(cfg, megatron_config(cfg))
+        self.arch = cfg.arch
+        self.routing = routing
+        # Random-LTD routes every layer but the first and the last (as Transformer.hidden_states).
+        self.routable = 0 < index < cfg.num_layers - 1
+
+    def forward(self, inputs):
+        h, *extras = inputs
+        attention_mask = extras[0] if extras else None
+        keep = self.routing.keep_tokens
+        if self.routable and keep is not None and keep < h.shape[1]:
+            h = route_tokens(super().forward, h, attention_mask, keep, self.arch)
+        else:
+            h = super().forward(h, sdpa_mask(self.arch, attention_mask))
+        return (h, *extras)
+
+
+class PipeHead(LMHead):
+    def __init__(self, cfg: ModelConfig, seed: int):
+        with unit_rng(seed, "head"):
+            super().__init__(cfg, megatron_config(cfg))
+
+    def forward(self, inputs):
+        h, word_weight = inputs
+        return super().forward(h, word_weight)
+
+
+def unit_prefixes(cfg: ModelConfig) -> list[Optional[str]]:
+    """The flat model's name prefix of each layer spec's parameters, by spec index (None: the tied
+    repeat on the last stage, whose parameters are the first stage's)."""
+    return ["embeddings.word.", "embeddings.", *(f"layers.{i}." for i in range(cfg.num_layers)), None, "head."]
+
+
+# Process groups of the pipeline layouts built so far, by rank set. Every engine of a run (one per
+# V-cycle phase) has the same layout; without reuse each would open a new set of communicators
+# (NCCL ones hold GPU memory) that nothing closes.
+_GROUPS: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def _reused_process_groups():
+    create = ds_comm.new_group
+
+    def new_group(ranks):
+        key = (id(dist.group.WORLD), tuple(sorted(ranks)))
+        if key not in _GROUPS:
+            _GROUPS[key] = create(ranks=ranks)
+        return _GROUPS[key]
+
+    ds_comm.new_group = new_group
+    try:
+        yield
+    finally:
+        ds_comm.new_group = create
+
+
+class PipelineTransformer(PipelineModule):
+    """This process's stage of the pipeline over megatron-core's parallel state (pipeline, tensor
+    and data parallel sizes). `seed` as for Transformer."""
+
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+        check_buildable(cfg)
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        seed = init_seed() if seed is None else seed
+        routing = Routing()
+        specs = [TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, tied_weight_attr="weight"),
+                 LayerSpec(PipeEmbeddings, cfg, seed),
+                 *(LayerSpec(PipeBlock, cfg, i, seed, routing) for i in range(cfg.num_layers)),
+                 TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, forward_fn=_hand_over_weight,
+                               tied_weight_attr="weight"),
+                 LayerSpec(PipeHead, cfg, seed)]
+        # DeepSpeed's axes (pipe, data, model) are megatron's order (pipeline slowest, tensor fastest).
+        topology = PipeModelDataParallelTopology(
+            num_pp=stages, num_mp=parallel_state.get_tensor_model_parallel_world_size(),
+            num_dp=parallel_state.get_data_parallel_world_size())
+        with _reused_process_groups():
+            super().__init__(specs, topology=topology, loss_fn=token_loss, partition_method="type:^PipeBlock$")
+        self.cfg = cfg
+        self.routing = routing
+        self._prefixes = unit_prefixes(cfg)
+        self._check_layout(stages)
+
+    def _check_layout(self, stages: int) -> None:
+        same = (dist.get_process_group_ranks(parallel_state.get_data_parallel_group()) == self._grid.dp_group
+                and dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+                == self._grid.pp_group)
+        if not same:
+            raise RuntimeError("DeepSpeed's pipeline topology and megatron-core's parallel state disagree on "
+                               "the data- or pipeline-parallel groups")
+        per_stage = self.cfg.num_layers // stages
+        blocks = [i for i in range(self._local_start, self._local_stop) if self._prefixes[i] and
+                  self._prefixes[i].startswith("layers.")]
+        if len(blocks) != per_stage:
+            raise RuntimeError(f"pipeline stage {self.stage_id} holds {len(blocks)} blocks, expected {per_stage}")
+
+    def canonical_name(self, name: str) -> str:
+        head, rest = name.split(".", 1)
+        if head == "tied_modules":
+            key, rest = rest.split(".", 1)
+            assert key == TIED_WORD, name
+            return "embeddings.word." + rest
+        return self._prefixes[int(head)] + rest
+
+
+def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """A model's parameters under the flat model's names (msds.model.roles), pipeline stage or not."""
+    if isinstance(model, PipelineTransformer):
+        for name, param in model.named_parameters():
+            yield model.canonical_name(name), param
+    else:
+        yield from model.named_parameters()
+
+
+def pipeline_batch(batch: dict[str, torch.Tensor], arch: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A loader batch as DeepSpeed's pipeline takes it: (first stage's inputs, last stage's labels)."""
+    if arch == "gpt":
+        return (batch["input_ids"],), batch["labels"]
+    return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]), batch["labels"]
