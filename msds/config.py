@@ -412,7 +412,7 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline-parallel size (DeepSpeed's PipelineModule): each stage holds the same number of
     layers at every level (the first stage also the embeddings, the last the head), and transitions
-    group layers inside each stage. DeepSpeed pipelines take ZeRO stage 0 or 1 only."""
+    group layers inside each stage. Pipelines run with ZeRO stage 1 (see docs/parallelism.md)."""
 
 
 @dataclass
@@ -448,10 +448,13 @@ class RunConfig:
             raise ConfigError(f"parallel.pipeline: must be positive, got {self.parallel.pipeline}")
         if self.training.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {self.training.zero_stage}")
-        if self.parallel.pipeline > 1 and self.training.zero_stage > 1:
+        if self.parallel.pipeline > 1 and self.training.zero_stage != 1:
+            why = ("DeepSpeed pipelines do not support ZeRO 2 or 3" if self.training.zero_stage > 1 else
+                   "DeepSpeed 0.19.8's ZeRO-0 pipeline path clips gradients by a norm that leaves out the "
+                   "later stages' replicated parameters (LayerNorms, biases), so it would not train like the "
+                   "same run without a pipeline")
             raise ConfigError(f"training.zero_stage: {self.training.zero_stage} with parallel.pipeline="
-                              f"{self.parallel.pipeline}; DeepSpeed pipelines support ZeRO stage 0 or 1 only "
-                              f"(set training.zero_stage=1, or parallel.pipeline=1 for ZeRO 2/3)")
+                              f"{self.parallel.pipeline}: {why}; pipelines run with training.zero_stage=1")
         if self.optimizer.lr <= 0:
             raise ConfigError(f"optimizer.lr: must be positive, got {self.optimizer.lr}")
         ml = self.multilevel

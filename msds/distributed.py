@@ -49,8 +49,10 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
     if world % (tensor_parallel * pipeline_parallel):
         from msds.config import ConfigError
 
-        raise ConfigError(f"parallel.tensor: tensor ({tensor_parallel}) x pipeline ({pipeline_parallel}) "
-                          f"parallel sizes must divide the world size {world}")
+        raise ConfigError(f"parallel: tensor ({tensor_parallel}) x pipeline ({pipeline_parallel}) parallel sizes "
+                          f"must divide the number of processes, {world}; launch a multiple of "
+                          f"{tensor_parallel * pipeline_parallel} processes or change parallel.tensor / "
+                          f"parallel.pipeline")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel)
     megatron_cpu.seed_model_parallel_rng(seed)

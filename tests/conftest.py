@@ -37,21 +37,57 @@ def train_corpus():
     return out
 
 
-@pytest.fixture(scope="session")
-def two_process_results(train_corpus, tmp_path_factory):
-    """One torchrun launch of 2 gloo processes running every multi-process training check
-    (tests/dist/train_checks.py); the tests assert on its results."""
+def _launch(suite: str, processes: int, corpus, work):
+    """One torchrun launch of `processes` gloo processes running a suite of tests/dist/train_checks.py."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    work = tmp_path_factory.mktemp("dist")
     results = work / "results.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           str(repo / "tests" / "dist" / "train_checks.py"), str(train_corpus), str(work),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                           str(repo / "tests" / "dist" / "train_checks.py"), suite, str(corpus), str(work),
                            str(results)], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(results.read_text())
+
+
+@pytest.fixture(scope="session")
+def two_process_results(train_corpus, tmp_path_factory):
+    """Every 2-process training check (ZeRO stages, resume, random-LTD, TP=2, PP=2), one launch."""
+    return _launch("two", 2, train_corpus, tmp_path_factory.mktemp("dist2"))
+
+
+@pytest.fixture(scope="session")
+def four_process_results(train_corpus, tmp_path_factory):
+    """The 4-process checks (pipeline x data and pipeline x tensor parallelism), one launch."""
+    return _launch("four", 4, train_corpus, tmp_path_factory.mktemp("dist4"))
+
+
+@pytest.fixture(scope="session")
+def one_process_losses(train_corpus, tmp_path_factory):
+    """Per-step losses of a one-process run of recipes/test-vcycle-<arch>.yaml with overrides,
+    computed once per (arch, overrides): the references the parallel runs are compared with."""
+    from pathlib import Path
+
+    from msds.config import load_run_config
+    from msds.train.loop import train
+    from msds.train.metrics import read_metrics
+
+    repo = Path(__file__).resolve().parents[1]
+    cache = {}
+
+    def losses(arch: str, *overrides: str) -> dict[str, float]:
+        key = (arch, overrides)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp(f"one-{arch}")
+            cfg = load_run_config(repo / "recipes" / f"test-vcycle-{arch}.yaml",
+                                  [f"data.path={train_corpus}", f"run_dir={run_dir}", "logging.tensorboard=false",
+                                   *overrides])
+            train(cfg)
+            cache[key] = {str(r["step"]): r["loss"] for r in read_metrics(run_dir, "step")}
+        return cache[key]
+
+    return losses

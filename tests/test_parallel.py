@@ -1,6 +1,8 @@
-"""Tensor parallelism: TP=2 trains exactly like TP=1 (V-cycle transitions included), transitions are
-shard-local, TP=2 checkpoints convert to TP=1 and export to Hugging Face, and bad layouts are
-refused at startup. The two-process runs come from the launch in tests/test_train.py."""
+"""Tensor and pipeline parallelism: TP=2, PP=2, PP=2 x DP=2 and PP=2 x TP=2 train exactly like the
+unsplit model (V-cycle transitions included), transitions are shard-local and stage-local, TP and
+PP checkpoints convert to TP=1 and export to Hugging Face, and bad layouts are refused at startup.
+The multi-process runs come from the launches in tests/conftest.py."""
+import math
 from pathlib import Path
 
 import pytest
@@ -18,20 +20,19 @@ from msds.train.metrics import read_metrics
 from msds.train.schedule import level_maps
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
 EXACT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
-TOLERANCE = 1e-5   # absolute, on per-step losses of ~6: float reassociation of the split matmuls
+TOLERANCE = 1e-5   # absolute, on per-step losses of ~6: float reassociation of split matmuls and sums
+
+
+def assert_same_losses(reference: dict, run: dict):
+    assert len(reference) == len(run) == 30
+    assert max(abs(reference[k] - run[k]) for k in reference) < TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
-def test_tp2_vcycle_matches_tp1(two_process_results, train_corpus, tmp_path, arch):
+def test_tp2_vcycle_matches_tp1(two_process_results, one_process_losses, arch):
     tp2 = two_process_results[f"{arch}-tp2"]
-    recipe = RECIPE.with_name(f"test-vcycle-{arch}.yaml")
     # Same grouping as the TP=2 run: heads and FFN grouped inside 2 shards.
-    cfg = load_run_config(recipe, [f"data.path={train_corpus}", f"run_dir={tmp_path / 'tp1'}",
-                                   "logging.tensorboard=false", "multilevel.shards=2", *EXACT])
-    train(cfg)
-    tp1 = {str(r["step"]): r["loss"] for r in read_metrics(tmp_path / "tp1", "step")}
-    assert len(tp1) == len(tp2["losses"]) == 30
-    assert max(abs(tp1[k] - tp2["losses"][k]) for k in tp1) < TOLERANCE
+    assert_same_losses(one_process_losses(arch, "multilevel.shards=2", *EXACT), tp2["losses"])
     assert len(tp2["summary"]["transitions"]) == 4
 
 
@@ -99,6 +100,96 @@ def test_tensor_parallel_size_that_does_not_divide_a_level(train_corpus):
         level_maps(cfg)
 
 
-def test_pipeline_parallel_is_refused_at_startup(train_corpus):
-    with pytest.raises(ConfigError, match=r"^parallel\.pipeline: 2; pipeline parallelism is not implemented"):
-        load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.pipeline=2"])
+# -- pipeline parallelism ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_pp2_vcycle_matches_pp1(two_process_results, one_process_losses, arch):
+    """Two stages (tied word embeddings on both) train the same weights on the same data exactly like
+    one process, through the V-cycle's four transitions (layers 4 -> 2 -> 2 -> 2 -> 4)."""
+    pp2 = two_process_results[f"{arch}-pp2"]
+    assert_same_losses(one_process_losses(arch, *EXACT), pp2["losses"])
+    assert [t["direction"] for t in pp2["summary"]["transitions"]] == ["down", "down", "up", "up"]
+
+
+def test_pp2_dp2_matches_dp2(two_process_results, four_process_results):
+    assert_same_losses(two_process_results["gpt-dp2-exact"]["losses"], four_process_results["gpt-pp2-dp2"]["losses"])
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_pp2_tp2_matches_tp1(four_process_results, one_process_losses, arch):
+    assert_same_losses(one_process_losses(arch, "multilevel.shards=2", *EXACT),
+                       four_process_results[f"{arch}-pp2-tp2"]["losses"])
+
+
+def test_pp2_run_resumes_exactly(two_process_results):
+    resumed = two_process_results["gpt-pp2-resumed"]
+    assert resumed["first"]["summary"]["state"]["step"] == 12
+    assert resumed["first"]["summary"]["exited_early"]
+    assert resumed["second"]["losses"] == two_process_results["gpt-pp2"]["losses"]
+
+
+@pytest.mark.parametrize("run", ["two:gpt-pp2", "four:bert-pp2-tp2"])
+def test_pipeline_checkpoint_converts_to_tp1_and_exports(two_process_results, four_process_results, tmp_path, run):
+    suite, name = run.split(":")
+    run_dir = (two_process_results if suite == "two" else four_process_results)[name]["run_dir"]
+    assert msds_main(["convert-checkpoint", f"{run_dir}/checkpoints", str(tmp_path / "tp1")]) == 0
+    cfg, converted, _ = load_model(tmp_path / "tp1")
+    _, exported_by_run, _ = load_model(f"{run_dir}/model")
+    assert sorted(converted) == sorted(exported_by_run)
+    assert all(torch.equal(converted[k], exported_by_run[k]) for k in converted)
+    assert msds_main(["export-hf", str(tmp_path / "tp1"), str(tmp_path / "hf")]) == 0
+    hf_class = transformers.GPT2LMHeadModel if cfg.arch == "gpt" else transformers.BertForMaskedLM
+    hf = hf_class.from_pretrained(tmp_path / "hf").eval()
+    model = Transformer(cfg).eval()
+    load_into(model, converted)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+
+
+def test_pp2_random_ltd_routes_tokens_in_both_stages(two_process_results):
+    ltd, plain = two_process_results["gpt-pp2-random-ltd"], two_process_results["gpt-pp2"]
+    keep = ltd["keep_tokens"]
+    assert keep["1"] == 16 and keep["30"] == 32
+    assert ltd["summary"]["state"]["flops"] < plain["summary"]["state"]["flops"]
+    assert ltd["losses"]["1"] != plain["losses"]["1"]         # routed layers see fewer tokens
+    assert math.isfinite(ltd["summary"]["final_val_loss"])
+
+
+def test_pipeline_engines_reuse_their_process_groups(two_process_results):
+    """Each phase builds a new pipeline engine; their process groups are made once, not per engine
+    (8 more runs of 5 engines each after the first count)."""
+    after_first_runs, at_end = two_process_results["pipeline_process_groups"]
+    assert 0 < after_first_runs == at_end <= 4
+
+
+@pytest.mark.parametrize("depth_layout", ["adjacent", "strided"])
+def test_pipeline_layer_groups_stay_within_their_stage(train_corpus, depth_layout):
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.pipeline=2", "model.num_layers=8",
+                                   f"multilevel.levels=[{{hidden: 1, heads: 1, ffn: 1, layers: 2, "
+                                   f"depth_layout: {depth_layout}}}, {{hidden: 1, heads: 1, ffn: 1, layers: 2}}]"])
+    for level_map in level_maps(cfg):
+        large, small = level_map.large.num_layers, level_map.small.num_layers
+        for small_layer, group in enumerate(level_map.groupings["layers"].members().tolist()):
+            stages = {layer // (large // 2) for layer in group}
+            assert stages == {small_layer // (small // 2)}, (group, small_layer)
+
+
+def test_pipeline_layouts_that_do_not_fit_are_refused_at_startup(train_corpus, tmp_path):
+    base = [f"data.path={train_corpus}", f"run_dir={tmp_path}", "parallel.pipeline=2"]
+    for stage in (0, 2, 3):
+        with pytest.raises(ConfigError, match=rf"^training\.zero_stage: {stage} with parallel\.pipeline=2: .*"
+                                              r"pipelines run with training\.zero_stage=1$"):
+            load_run_config(RECIPE, [*base, f"training.zero_stage={stage}"])
+    # Layers 4 -> 1: the second level has fewer layers than stages. Refused by `train` before any
+    # process group is made (this is a one-process world: making a 2-stage one would fail otherwise).
+    cfg = load_run_config(RECIPE, [*base, "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 4}, "
+                                          "{hidden: 1, heads: 1, ffn: 1, layers: 1}]"])
+    with pytest.raises(ConfigError, match=r"^multilevel\.levels\[0\]\.layers: level 2 would have 1 layer\(s\), "
+                                          r"which the parallel\.pipeline=2 stages cannot share equally"):
+        train(cfg)
+    cfg = load_run_config(RECIPE, [*base[:2], "parallel.pipeline=3"])
+    with pytest.raises(ConfigError, match=r"^parallel\.pipeline: 3 stages cannot share the 4 layers of the "
+                                          r"level-1 model equally"):
+        train(cfg)

@@ -165,7 +165,7 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     the LayerToken schedule's warmup and decay lag the step-based schedule and meet it at the end."""
     from msds.config import load_run_config
     from msds.train.loop import Trainer
-    from msds.train.schedule import lr_multiplier
+    from msds.train.schedule import level_maps, lr_multiplier
 
     ds = json.loads(open("ds_configs/zero1.json").read())
     ds.update(copy.deepcopy(DS_LTD))
@@ -175,7 +175,7 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
         f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
         "multilevel.enabled=false", "training.steps=100", "optimizer.warmup_steps=20",
         f"training.ds_config={tmp_path / 'ds.json'}"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, level_maps(cfg))
     phase = trainer.phases[0]
     by_layer_tokens = trainer.lr_lambda(phase)
     assert by_layer_tokens(10) < lr_multiplier(phase, 10, cfg.optimizer.min_lr_ratio)

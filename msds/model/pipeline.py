@@ -84,7 +84,9 @@ class PipeBlock(Block):
         self.routable = 0 < index < cfg.num_layers - 1
 
     def forward(self, inputs):
-        h, *extras = inputs
+        # With tensor parallelism DeepSpeed partitions the activations sent between stages and
+        # hands a one-element tuple over as the bare tensor.
+        h, *extras = (inputs,) if torch.is_tensor(inputs) else inputs
         attention_mask = extras[0] if extras else None
         keep = self.routing.keep_tokens
         if self.routable and keep is not None and keep < h.shape[1]:

@@ -26,6 +26,7 @@ from msds.config import ConfigError, RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, load_tokenizer_info, train_batches
 from msds.distributed import data_parallel_group, init_distributed
 from msds.model.roles import expected_shapes
+from msds.multilevel.operators import LevelMap
 from msds.train import checkpointing, random_ltd
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, read_ds_template, train_step)
@@ -74,7 +75,7 @@ def check_data(cfg: RunConfig) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, maps: list[LevelMap]):
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Data parallelism is what is left of the world after tensor and pipeline parallelism; the
@@ -82,7 +83,7 @@ class Trainer:
         self.dp_rank, self.dp_size = dist.get_rank(data_parallel_group()), dist.get_world_size(data_parallel_group())
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.maps = level_maps(cfg)
+        self.maps = maps
         self.phases = plan_phases(cfg)
         self.state = TrainState()
         self.saved: list[SavedLevel] = []
@@ -325,6 +326,9 @@ class Trainer:
 
 def train(cfg: RunConfig) -> RunSummary:
     """Run (or resume) a training run in this process group; callable repeatedly in one process."""
+    # Every level first: a V-cycle that does not fit the parallel layout fails before any process
+    # group or engine is made.
+    maps = level_maps(cfg)
     init_distributed(tensor_parallel=cfg.parallel.tensor, pipeline_parallel=cfg.parallel.pipeline,
                      seed=cfg.training.seed)
     check_data(cfg)
@@ -332,7 +336,7 @@ def train(cfg: RunConfig) -> RunSummary:
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, run_dir / "config.yaml")
-    return Trainer(cfg).run()
+    return Trainer(cfg, maps).run()
 
 
 def _run(args) -> int:
