@@ -117,7 +117,8 @@ def is_pipeline(engine) -> bool:
 
 
 def train_step(engine, batches, grad_accum: int, keep_tokens: int | None) -> torch.Tensor:
-    """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss of them."""
+    """One optimizer step over `grad_accum` micro-batches; returns their mean loss (this rank's, or
+    for a pipeline, already averaged over the data-parallel replicas and held by every stage)."""
     if is_pipeline(engine):
         engine.module.routing.keep_tokens = keep_tokens
         arch = engine.module.cfg.arch
