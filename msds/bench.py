@@ -181,12 +181,22 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = ()) -> dict:
-    """Train every variant (reusing finished ones), then write results.json, results.md and plots."""
+def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
+              only: list[str] | None = None) -> dict:
+    """Train every variant (or those in `only`; reusing finished ones), then write results.json,
+    results.md and plots."""
     from msds.train.loop import train
 
     out_dir = Path(out_dir)
     configs = variant_configs(load_yaml(config_path), out_dir, list(overrides))
+    if only:
+        unknown = sorted(set(only) - set(configs))
+        if unknown:
+            raise ConfigError(f"--only: {unknown[0]!r} is not a variant of {config_path}; its variants: "
+                              f"{', '.join(configs)}")
+        if BASELINE not in only:
+            raise ConfigError(f"--only: include {BASELINE}; every variant is measured against it")
+        configs = {name: cfg for name, cfg in configs.items() if name in only}
     for name, cfg in configs.items():
         done = out_dir / name / "summary.json"
         # What the run computes; where it was written does not count (a bench directory may move).
@@ -214,7 +224,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
 
 
 def _run(args) -> int:
-    run_bench(args.config, args.out, args.overrides)
+    run_bench(args.config, args.out, args.overrides, args.only)
     return 0
 
 
@@ -225,5 +235,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="bench config (recipes/bench-*.yaml)")
     parser.add_argument("--out", required=True, help="output directory (one run directory per variant)")
+    parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants "
+                        "(baseline included), e.g. for a second seed of the interesting ones")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)

@@ -71,6 +71,9 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     # A second run reuses both finished variants instead of training again.
     again = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
     assert again["variants"]["vcycle"]["evals"] == vcycle["evals"]
+    # --only reports the chosen variants (reused here too).
+    assert set(run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"], only=["baseline"])["variants"]) \
+        == {"baseline"}
 
 
 def test_first_crossing_interpolates_between_evaluations():
@@ -87,4 +90,8 @@ def test_bench_without_baseline_or_with_unfair_variant(tmp_path, train_corpus):
     unfair = {"base": MINIMAL["base"], "variants": {"baseline": {}, "big": {"training": {"micro_batch_size": 8}}}}
     with pytest.raises(ConfigError, match=r"^variants\.big: tokens per step differ"):
         run_bench(write(tmp_path, unfair), tmp_path / "out", [f"data.path={train_corpus}"])
+    with pytest.raises(ConfigError, match=r"^--only: 'nope' is not a variant of .*; its variants: baseline, vcycle"):
+        run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], only=["nope"])
+    with pytest.raises(ConfigError, match=r"^--only: include baseline"):
+        run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], only=["vcycle"])
     assert not (tmp_path / "out").exists()
