@@ -236,6 +236,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
     parser.add_argument("--config", required=True, help="bench config (recipes/bench-*.yaml)")
     parser.add_argument("--out", required=True, help="output directory (one run directory per variant)")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants "
-                        "(baseline included), e.g. for a second seed of the interesting ones")
+                        "(baseline included), e.g. for a second seed of the interesting ones; put key=value "
+                        "overrides before --only")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)
