@@ -42,22 +42,6 @@ def test_tp2_run_resumes_exactly(two_process_results):
     assert resumed["second"]["losses"] == two_process_results["gpt-tp2"]["losses"]
 
 
-def test_tp2_checkpoint_converts_to_tp1_and_exports(two_process_results, tmp_path):
-    run_dir = two_process_results["gpt-tp2"]["run_dir"]
-    assert msds_main(["convert-checkpoint", f"{run_dir}/checkpoints", str(tmp_path / "tp1")]) == 0
-    cfg, converted, _ = load_model(tmp_path / "tp1")
-    _, exported_by_run, _ = load_model(f"{run_dir}/model")
-    assert all(torch.equal(converted[k], exported_by_run[k]) for k in converted)
-    assert msds_main(["export-hf", str(tmp_path / "tp1"), str(tmp_path / "hf")]) == 0
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    model = Transformer(cfg).eval()
-    load_into(model, converted)
-    ids = torch.randint(0, cfg.vocab_size, (2, 24))
-    with torch.no_grad():
-        ours, theirs = model(ids), hf(ids).logits
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
-
-
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
 def test_shard_local_transition_equals_tp1_restricted_to_the_shard(arch):
     """Coalescing (and de-coalescing) each rank's shards with the shard-local grouping gives exactly
@@ -128,8 +112,8 @@ def test_pp2_run_resumes_exactly(two_process_results):
     assert resumed["second"]["losses"] == two_process_results["gpt-pp2"]["losses"]
 
 
-@pytest.mark.parametrize("run", ["two:gpt-pp2", "four:bert-pp2-tp2"])
-def test_pipeline_checkpoint_converts_to_tp1_and_exports(two_process_results, four_process_results, tmp_path, run):
+@pytest.mark.parametrize("run", ["two:gpt-tp2", "two:gpt-pp2", "four:bert-pp2-tp2"])
+def test_parallel_checkpoint_converts_to_tp1_and_exports(two_process_results, four_process_results, tmp_path, run):
     suite, name = run.split(":")
     run_dir = (two_process_results if suite == "two" else four_process_results)[name]["run_dir"]
     assert msds_main(["convert-checkpoint", f"{run_dir}/checkpoints", str(tmp_path / "tp1")]) == 0
