@@ -16,7 +16,6 @@ from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 from msds.multilevel.operators import coalesce, decoalesce, plan_level
 from msds.train.loop import train
-from msds.train.metrics import read_metrics
 from msds.train.schedule import level_maps
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
 EXACT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]

@@ -162,7 +162,8 @@ def _pipeline_module(tag_dir: Path, cfg, tp_rank: int) -> dict[str, torch.Tensor
         path = tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
         if not path.is_file():
             raise MsdsError(f"{path}: missing; the checkpoint does not hold every pipeline layer")
-        out.update({prefix + k: v for k, v in _tensors(torch.load(path, map_location="cpu", weights_only=False)).items()})
+        layer = _tensors(torch.load(path, map_location="cpu", weights_only=False))
+        out.update({prefix + name: tensor for name, tensor in layer.items()})
     return out
 
 

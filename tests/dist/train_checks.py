@@ -106,7 +106,8 @@ def four(corpus, work):
 def main(suite, corpus, work, results_path):
     results = {"two": two, "four": four}[suite](Path(corpus), Path(work))
     if dist.get_rank() == 0:
-        Path(results_path).write_text(json.dumps(results, indent=1, default=lambda x: None if x != x or math.isinf(x) else x))
+        finite = lambda x: None if x != x or math.isinf(x) else x  # noqa: E731 (NaN/inf are not JSON)
+        Path(results_path).write_text(json.dumps(results, indent=1, default=finite))
 
 
 if __name__ == "__main__":
