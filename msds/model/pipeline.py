@@ -35,7 +35,8 @@ from megatron.core import parallel_state
 
 from msds.config import ModelConfig
 from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, check_buildable, init_seed,
-                                    megatron_config, route_tokens, sdpa_mask, token_loss, unit_rng)
+                                    megatron_config, route_tokens, routes_tokens, sdpa_mask, token_loss,
+                                    unit_rng)
 
 TIED_WORD = "word"
 
@@ -80,8 +81,7 @@ class PipeBlock(Block):
             super().__init__(cfg, megatron_config(cfg))
         self.arch = cfg.arch
         self.routing = routing
-        # Random-LTD routes every layer but the first and the last (as Transformer.hidden_states).
-        self.routable = 0 < index < cfg.num_layers - 1
+        self.routable = routes_tokens(index, cfg.num_layers)
 
     def forward(self, inputs):
         # With tensor parallelism DeepSpeed partitions the activations sent between stages and
@@ -144,6 +144,7 @@ class PipelineTransformer(PipelineModule):
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         seed = init_seed() if seed is None else seed
         routing = Routing()
+        # In unit_prefixes' order: that list names each spec's parameters.
         specs = [TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, tied_weight_attr="weight"),
                  LayerSpec(PipeEmbeddings, cfg, seed),
                  *(LayerSpec(PipeBlock, cfg, i, seed, routing) for i in range(cfg.num_layers)),

@@ -76,6 +76,12 @@ def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[tor
     return attention_mask.bool()[:, None, None, :]
 
 
+def routes_tokens(layer: int, num_layers: int) -> bool:
+    """Whether random-LTD routes layer `layer`: every layer but the first and the last, which see
+    every token."""
+    return 0 < layer < num_layers - 1
+
+
 def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,
                  arch: str) -> torch.Tensor:
     """Random-LTD: `layer(h, sdpa_mask)` sees a random sorted subset of `keep_tokens` tokens of each
@@ -263,7 +269,7 @@ class Transformer(nn.Module):
         h = self.embeddings(input_ids, token_type_ids)
         drop = keep_tokens is not None and keep_tokens < h.shape[1]
         for i, layer in enumerate(self.layers):
-            if drop and 0 < i < len(self.layers) - 1:
+            if drop and routes_tokens(i, len(self.layers)):
                 h = route_tokens(layer, h, attention_mask, keep_tokens, self.cfg.arch)
             else:
                 h = layer(h, mask)

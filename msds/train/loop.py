@@ -145,11 +145,8 @@ class Trainer:
                              self.cfg.training.micro_batch_size, self.cfg.data.seed, self.dp_rank, self.dp_size,
                              consumed_samples=self.state.consumed_samples)
 
-    def evaluate(self, engine) -> float:
-        return evaluate(engine, self.eval_set)
-
     def log_eval(self, engine) -> float:
-        loss = self.evaluate(engine)
+        loss = evaluate(engine, self.eval_set)
         self.log.eval({"step": self.state.step, "level": self.phase.level, "val_loss": loss,
                        "val_ppl": math.exp(min(loss, 50.0)), "flops": self.state.flops,
                        "train_seconds": self.state.train_seconds})
@@ -204,7 +201,7 @@ class Trainer:
         current, following = self.phase, self.phases[self.state.phase + 1]
         ml = self.cfg.multilevel
         map_moments = ml.optimizer_policy == "map"
-        loss_before = self.evaluate(engine)
+        loss_before = evaluate(engine, self.eval_set)
         rss_before = resident_memory_mb()
         if following.level > current.level:
             level_map = self.maps[current.level - 1]
@@ -226,7 +223,7 @@ class Trainer:
         # larger model on every rank: negligible next to a training step, but counted.
         larger = level_model(self.cfg, self.maps, min(current.level, following.level))
         self.state.flops += 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * self.dp_size
-        loss_after = self.evaluate(engine)
+        loss_after = evaluate(engine, self.eval_set)
         entry = {"step": self.state.step, "direction": record.direction, "from_level": record.from_level,
                  "to_level": record.to_level, "seconds": record.seconds, "loss_before": loss_before,
                  "loss_after": loss_after, "rss_mb_before": rss_before, "rss_mb_after": resident_memory_mb(),

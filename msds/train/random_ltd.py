@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from msds.config import ConfigError, ModelConfig
+from msds.model.transformer import routes_tokens
 
 SCHEDULE_TYPES = ("fixed_linear",)
 PATH = "training.ds_config: data_efficiency.data_routing.random_ltd"
@@ -37,8 +38,7 @@ class RandomLTD:
 
     @staticmethod
     def routed_layers(num_layers: int) -> tuple[int, ...]:
-        """Every layer but the first and the last."""
-        return tuple(range(1, num_layers - 1))
+        return tuple(i for i in range(num_layers) if routes_tokens(i, num_layers))
 
     def layer_tokens(self, step: int, model: ModelConfig, samples: int) -> int:
         """Layer-tokens processed in one step (the LayerToken schedule's clock)."""

@@ -90,7 +90,7 @@ def two(corpus, work):
                 "training.exit_after_steps=12")
     second = run("gpt-pp2-resumed", "gpt", corpus, work, *exact, "checkpoint.at_transitions=true")
     results["gpt-pp2-resumed"] = {"first": first, "second": second}
-    results["gpt-pp2-random-ltd"] = run("gpt-pp2-random-ltd", "gpt", corpus, work, "parallel.pipeline=2",
+    results["gpt-pp2-random-ltd"] = run("gpt-pp2-random-ltd", "gpt", corpus, work, *exact,
                                         f"training.ds_config={random_ltd_ds_config(work, 1)}")
     results["pipeline_process_groups"] = [groups_after_first_runs, len(pipeline._GROUPS)]
     return results
