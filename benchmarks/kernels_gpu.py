@@ -8,8 +8,9 @@ Target (the issue): every fused pass at >= 80% of copy bandwidth. Bytes moved pe
 coalesce reads the large tensor and writes the small one; de-coalesce + interpolate reads the small
 and the saved large tensors and writes the large one; the copy reads and writes the large tensor.
 Times are medians of triton.testing.do_bench, which clears the L2 cache before every run (an H100/
-H200 L2 holds a whole 1024x4096 bf16 tensor). The PyTorch path (msds.multilevel.tensor_ops + lerp)
-is timed alongside for comparison.
+H200 L2 holds a whole 1024x4096 bf16 tensor). The PyTorch path (msds.multilevel.tensor_ops with
+backend='torch') is timed alongside for comparison. Scales come from msds's one rule,
+msds.multilevel.operators.tensor_scale.
 
 Without CUDA the script runs the same checks on tiny tensors under the Triton interpreter
 (correctness only, no timing), so that it is known to execute end to end on any machine.
@@ -34,9 +35,10 @@ try:
 except ImportError:
     sys.exit("triton is not installed: pip install 'msds[kernels]' (triton==3.9.0)")
 
-from kernels import dispatch  # noqa: E402
 from msds.multilevel.grouping import Grouping  # noqa: E402
-from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_tensor  # noqa: E402
+from msds.multilevel.operators import KINDS, tensor_scale  # noqa: E402
+from msds.multilevel.tensor_ops import (coalesce_tensor, decoalesce_interpolate_tensor,  # noqa: E402
+                                        decoalesce_tensor)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGET = 0.80
@@ -57,16 +59,14 @@ def cases(tiny: bool):
     ]
 
 
+def _axes(rows, cols):
+    return [(d, g) for d, g in ((0, rows), (1, cols)) if g is not None]
+
+
 def scales(rows, cols, sides):
-    """Coalesce / de-coalesce scale of a parameter and its moments (operators._scale)."""
-    in_factor = out_factor = 1
-    for grouping, side in zip((rows, cols), sides):
-        if grouping is not None:
-            if side == "in":
-                in_factor *= grouping.factor
-            else:
-                out_factor *= grouping.factor
-    return {"param": in_factor, "exp_avg": out_factor, "exp_avg_sq": out_factor ** 2}
+    """Coalesce / de-coalesce scale of a parameter and its moments (operators.tensor_scale)."""
+    axes = [(d, g, side) for d, (g, side) in enumerate(zip((rows, cols), sides)) if g is not None]
+    return {kind: tensor_scale(axes, 1, kind) for kind in KINDS}
 
 
 def check(name, dtype, shape, rows, cols, scale, device):
@@ -75,9 +75,9 @@ def check(name, dtype, shape, rows, cols, scale, device):
     large = torch.randn(shape).to(dtype)
     if name.endswith("exp_avg_sq"):
         large = large.abs()                         # second moments are never negative
-    axes = [(d, g) for d, g in ((0, rows), (1, cols)) if g is not None]
-    small_ref = coalesce_tensor(large, axes, scale)
-    small = dispatch.coalesce_2d(large.to(device), rows, cols, scale=scale, backend="triton").cpu()
+    axes = _axes(rows, cols)
+    small_ref = coalesce_tensor(large, axes, scale, backend="torch")
+    small = coalesce_tensor(large.to(device), axes, scale, backend="triton").cpu()
     eps = torch.finfo(dtype).eps
     try:
         torch.testing.assert_close(small, small_ref, rtol=2 * eps,
@@ -85,9 +85,9 @@ def check(name, dtype, shape, rows, cols, scale, device):
     except AssertionError as exc:
         failures.append(f"{name} {dtype} coalesce: {str(exc).splitlines()[0]}")
     saved = torch.randn(shape).to(dtype)
-    mixed_ref = torch.lerp(saved, decoalesce_tensor(small_ref, axes, scale), ALPHA)
-    mixed = dispatch.decoalesce_interpolate_2d(small_ref.to(device), saved.to(device), ALPHA, rows, cols,
-                                               scale=scale, backend="triton").cpu()
+    mixed_ref = torch.lerp(saved, decoalesce_tensor(small_ref, axes, scale, backend="torch"), ALPHA)
+    mixed = decoalesce_interpolate_tensor(small_ref.to(device), saved.to(device), ALPHA, axes, scale,
+                                          backend="triton").cpu()
     differ = (mixed != mixed_ref).sum().item()
     if differ:
         # Allowed: 1 ulp where nvcc/Triton contract differently (see kernels/multilevel.py).
@@ -103,7 +103,8 @@ def bandwidth(name, dtype, shape, rows, cols, scale):
     """GB/s of the copy, both fused passes and the PyTorch path's de-coalesce + interpolate."""
     large = torch.randn(shape, device="cuda").to(dtype)
     saved = torch.randn(shape, device="cuda").to(dtype)
-    small = dispatch.coalesce_2d(large, rows, cols, scale=scale)
+    axes = _axes(rows, cols)
+    small = coalesce_tensor(large, axes, scale)
     copy_dst = torch.empty_like(large)
     esize, n_large, n_small = large.element_size(), large.numel(), small.numel()
 
@@ -112,13 +113,11 @@ def bandwidth(name, dtype, shape, rows, cols, scale):
         return nbytes / ms / 1e6, ms
 
     copy = gbps(lambda: copy_dst.copy_(large), 2 * n_large * esize)
-    down = gbps(lambda: dispatch.coalesce_2d(large, rows, cols, scale=scale, backend="triton"),
-                (n_large + n_small) * esize)
+    down = gbps(lambda: coalesce_tensor(large, axes, scale, backend="triton"), (n_large + n_small) * esize)
     up_bytes = (2 * n_large + n_small) * esize
-    up = gbps(lambda: dispatch.decoalesce_interpolate_2d(small, saved, ALPHA, rows, cols, scale=scale,
-                                                        backend="triton"), up_bytes)
-    up_torch = gbps(lambda: dispatch.decoalesce_interpolate_2d(small, saved, ALPHA, rows, cols, scale=scale,
-                                                              backend="torch"), up_bytes)
+    up = gbps(lambda: decoalesce_interpolate_tensor(small, saved, ALPHA, axes, scale, backend="triton"), up_bytes)
+    up_torch = gbps(lambda: decoalesce_interpolate_tensor(small, saved, ALPHA, axes, scale, backend="torch"),
+                    up_bytes)
     return {"tensor": name, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
             "copy_gbps": copy[0], "coalesce_gbps": down[0], "coalesce_ms": down[1],
             "decoalesce_interpolate_gbps": up[0], "decoalesce_interpolate_ms": up[1],

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from msds.checkpoint import model_tensors  # noqa: E402
+from msds.model.files import model_tensors  # noqa: E402
 from msds.config import model_config  # noqa: E402
 from msds.distributed import init_distributed  # noqa: E402
 from msds.model.hf import bert_to_hf, config_to_hf, gpt_to_hf  # noqa: E402

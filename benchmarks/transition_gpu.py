@@ -6,8 +6,8 @@ The transition is what msds/train/transition.py does on each rank between readin
 fp32 weights and Adam moments and building the next engine: coalesce the parameters and both
 moments (down), and de-coalesce + interpolate them with the saved large state (up), for the level
 hidden/2, heads/2, FFN/2, layers/2 (BERT-Large 24L/1024H -> 12L/512H). It runs twice: on CUDA
-tensors (the fused Triton kernels, through tensor_ops' dispatch) and on the same tensors in host
-memory (the PyTorch path a CPU run takes).
+tensors (the fused Triton kernels: tensor_ops' default backend `auto` picks them there) and on the
+same tensors in host memory (the PyTorch path a CPU run takes).
 
 The training step is Hugging Face's BertForMaskedLM with BERT-Large's shapes, bf16 autocast,
 fused AdamW, at BERT's phase-1 shape (micro-batch 64 x 128 tokens) - the step a V-cycle phase

@@ -1,21 +1,27 @@
 """Triton kernels for the multi-level operators on a 2-D tensor: one pass, no intermediates.
 
-A tensor's rows and columns are each grouped (or not) by an element-level index map
-(kernels.index_maps), so adjacent, strided, block, shard-local and explicit groupings all run the
-same two kernels:
+A tensor's rows and columns are each described by an element-level index map (plain int32 tensors;
+this package knows nothing of how the caller groups units), so every grouping runs the same two
+kernels:
 
-- `coalesce`: every program computes a (BLOCK_R, BLOCK_C) tile of the small output, gathering the
-  row_factor * col_factor large elements behind each output element, and stores
-  scale * (column-group mean of the row-group means) in the output dtype. Accumulation is fp32.
-  The means are taken as first + sum(rest - first) / factor, the reference's formula, so coalescing
-  copies returns them bit for bit and fp32 results agree with the reference (tensor_ops) to rounding.
-- `decoalesce`: every program computes a tile of the large output, gathering
-  small[row_owner[i], col_owner[j]] / scale, rounded to the tensor dtype like the reference's
-  de-coalesced tensor, and - in the same pass - interpolates with the saved large tensor:
-  out = lerp(saved, that, alpha). The lerp is torch's: fma(alpha, end - start, start) for
-  alpha < 0.5, else fma(alpha - 1, end - start, end), which is exactly torch.lerp on the CPU (its
+- `coalesce(t, row_members, col_members, scale)`: row_members is (small rows, row factor), row s
+  listing the rows of `t` that small row s averages; col_members the same for columns (an axis that
+  is not grouped is arange(size).view(size, 1)). Every program computes a (BLOCK_R, BLOCK_C) tile
+  of the small output, gathering the row_factor * col_factor large elements behind each output
+  element, and stores scale * (column-group mean of the row-group means) in the output dtype.
+  Accumulation is fp32. The means are taken as first + sum(rest - first) / factor, the reference's
+  formula, so coalescing copies returns them bit for bit and fp32 results agree with the reference
+  (msds.multilevel.tensor_ops' PyTorch path) to rounding.
+- `decoalesce(small, row_owner, col_owner, scale, saved, alpha)`: row_owner is (large rows,), the
+  small row each large row copies; col_owner the same for columns. Every program computes a tile of
+  the large output, gathering small[row_owner[i], col_owner[j]] / scale, rounded to the tensor dtype
+  like the reference's de-coalesced tensor, and - in the same pass - interpolates with the saved
+  large tensor: out = lerp(saved, that, alpha). The lerp is torch's: fma(alpha, end - start, start)
+  for alpha < 0.5, else fma(alpha - 1, end - start, end), which is exactly torch.lerp on the CPU (its
   vectorised kernel uses this fma form) and exact at both ends: alpha = 0 gives saved, alpha = 1 the
   de-coalesced tensor, bit for bit.
+
+The scale is the caller's: the kernels apply it, they do not know what it stands for.
 
 Agreement with the reference (checked under the interpreter by tests/test_kernels.py):
 - de-coalesce (+ interpolate) is bit for bit the reference in fp32, bf16 and fp16: the divisions
@@ -29,8 +35,9 @@ Agreement with the reference (checked under the interpreter by tests/test_kernel
   Equal members (coalescing copies) give them back bit for bit.
 - every cast to bf16 rounds to nearest even (see _round_to), identically on GPUs and the interpreter.
 
-Importing this module imports triton; use kernels.dispatch, which imports it only when needed.
-Under TRITON_INTERPRET=1 (set before this import) the kernels run on CPU tensors, for the tests.
+The launchers check shapes, dtypes and devices (ValueError); the index values themselves are the
+caller's to get right (checking them would synchronise with the GPU). Importing this module imports
+triton; under TRITON_INTERPRET=1 (set before this import) the kernels run on CPU tensors, for the tests.
 """
 from __future__ import annotations
 
@@ -40,8 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.index_maps import member_index, owner_index
-from msds.multilevel.grouping import Grouping
+from kernels import SUPPORTED_DTYPES
 
 # Tile shapes: 16 rows x 128 contiguous columns keeps every warp's loads and stores coalesced on
 # the large tensor; the tests pass smaller tiles to put tile edges everywhere.
@@ -139,14 +145,41 @@ def _grid(rows: int, cols: int, tile: tuple[int, int]):
     return (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
 
 
-def coalesce(t: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping], scale: float,
+def _check_matrix(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D torch.Tensor")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} has no kernel (fp32, bf16, fp16)")
+
+
+def _check_index(index: torch.Tensor, dims: int, device: torch.device, name: str) -> None:
+    if not isinstance(index, torch.Tensor) or index.dim() != dims or index.dtype != torch.int32:
+        raise ValueError(f"{name}: expected a {dims}-D int32 index tensor")
+    if index.device != device or not index.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous and on {device}, is on {index.device}")
+
+
+def _check_like(t: Optional[torch.Tensor], shape: tuple[int, int], dtype, device, name: str) -> None:
+    """ValueError unless `t` (when given) has `shape`, `dtype` and `device`."""
+    if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, {dtype} on {device}; got "
+                         f"{tuple(t.shape)}, {t.dtype} on {t.device}")
+
+
+def coalesce(t: torch.Tensor, row_members: torch.Tensor, col_members: torch.Tensor, scale: float,
              out: Optional[torch.Tensor] = None, tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
-    """scale * group mean of the 2-D `t` over its row and column groupings (None: not grouped),
-    written into `out` (any strides) or a new tensor. Arguments are checked by kernels.dispatch."""
-    row_members = member_index(rows, t.shape[0], t.device)
-    col_members = member_index(cols, t.shape[1], t.device)
+    """scale * group mean of the 2-D `t` over the row groups `row_members` and column groups
+    `col_members` (module doc), written into `out` (any strides) or a new tensor."""
+    _check_matrix(t, "t")
+    _check_index(row_members, 2, t.device, "row_members")
+    _check_index(col_members, 2, t.device, "col_members")
+    for name, index, size in (("row_members", row_members, t.shape[0]), ("col_members", col_members, t.shape[1])):
+        if index.numel() != size:
+            raise ValueError(f"{name}: lists {index.numel()} channels, t has {size} on that axis")
+    small_shape = (row_members.shape[0], col_members.shape[0])
+    _check_like(out, small_shape, t.dtype, t.device, "out")
     if out is None:
-        out = torch.empty((row_members.shape[0], col_members.shape[0]), dtype=t.dtype, device=t.device)
+        out = torch.empty(small_shape, dtype=t.dtype, device=t.device)
     _coalesce_kernel[_grid(*out.shape, tile)](
         t, out, row_members, col_members, out.shape[0], out.shape[1], t.stride(0), t.stride(1),
         out.stride(0), out.stride(1), float(scale), ROW_FACTOR=row_members.shape[1],
@@ -154,15 +187,18 @@ def coalesce(t: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping]
     return out
 
 
-def decoalesce(small: torch.Tensor, rows: Optional[Grouping], cols: Optional[Grouping],
-               large_shape: tuple[int, int], scale: float, saved: Optional[torch.Tensor] = None,
-               alpha: float = 1.0, out: Optional[torch.Tensor] = None,
+def decoalesce(small: torch.Tensor, row_owner: torch.Tensor, col_owner: torch.Tensor, scale: float,
+               saved: Optional[torch.Tensor] = None, alpha: float = 1.0, out: Optional[torch.Tensor] = None,
                tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
-    """The 2-D large tensor of `large_shape`: copies of `small` / scale, interpolated with `saved`
-    by `alpha` when `saved` is given (lerp(saved, copies, alpha)), written into `out` (any strides)
-    or a new tensor."""
-    row_owner = owner_index(rows, large_shape[0], small.device)
-    col_owner = owner_index(cols, large_shape[1], small.device)
+    """The 2-D large tensor of shape (len(row_owner), len(col_owner)): copies of `small` / scale,
+    interpolated with `saved` by `alpha` when `saved` is given (lerp(saved, copies, alpha)),
+    written into `out` (any strides) or a new tensor."""
+    _check_matrix(small, "small")
+    _check_index(row_owner, 1, small.device, "row_owner")
+    _check_index(col_owner, 1, small.device, "col_owner")
+    large_shape = (row_owner.shape[0], col_owner.shape[0])
+    _check_like(saved, large_shape, small.dtype, small.device, "saved")
+    _check_like(out, large_shape, small.dtype, small.device, "out")
     if out is None:
         out = torch.empty(large_shape, dtype=small.dtype, device=small.device)
     interpolate = saved is not None

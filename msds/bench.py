@@ -1,31 +1,47 @@
 """`msds bench`: the baseline and its V-cycle variants side by side, and the saving at equal quality.
 
-    msds bench --config recipes/bench-gpt-cpu.yaml --out bench_out/gpt [key=value ...]
+    msds bench --config recipes/bench-gpt-cpu.yaml --out bench_out/gpt [--seeds 1 2 3] [key=value ...]
 
 A bench config has a `base` run config (model, data, optimizer, training, logging, ...) shared by
-every run, and `variants`: name -> overrides of `base`. The variant named `baseline` is the
-reference. Every variant trains on the same data order with the same tokens per step and the same
-evaluation points (the evaluation batches and interval come from `base`).
+every run, `variants`: name -> overrides of `base` (one must be named `baseline`), and optionally:
+- `seeds: [1, 2, 3]` (or `--seeds`): every variant runs once per seed, with `training.seed` and
+  `data.seed` set to it (initial weights, dropout, data order and validation batches all change).
+  Run directories are <out>/seed<s>/<variant>; without seeds, <out>/<variant> with the config's seeds.
+- `baseline_lr_sweep: [0.5, 1, 2, 4]` and `baseline_warmup_sweep: [24, 48]`: the baseline is also
+  trained at each factor of its peak learning rate and each warmup length (variants named
+  `baseline-lr2x`, `baseline-lr2x-wu48`, ...; the recipe's own setting stays `baseline`). The member
+  with the lowest mean final validation loss over the seeds is the *reference*: a saving against an
+  untuned baseline is not a saving.
 
-For each variant the report gives the final validation loss and the FLOPs and wall-clock at which
-its validation loss first reaches the baseline's final validation loss (linearly interpolated
-between evaluations), the saving = 1 - that cost / the baseline's cost, and the time spent in
-transitions. Wall-clock is training time: steps plus transitions, evaluations excluded (they are
-the same for every variant). Outputs: results.json, results.md, loss_vs_flops.png, loss_vs_time.png.
+Every variant of a seed trains on the same data order with the same tokens per step and the same
+evaluation points. For each seed and variant the report gives the final validation loss, the FLOPs
+and wall-clock at which its validation loss first reaches the reference's final validation loss of
+that seed (linearly interpolated between evaluations), the saving = 1 - that cost / the reference's
+cost, and the time spent in transitions; then, over the seeds, the mean and the worst saving (a
+variant that misses the target in any seed has no mean, and says in which seeds it missed).
+Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
+variant); it is only comparable between runs made under the same load. Outputs: results.json,
+results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
+import os
+import statistics
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 
-from msds.config import MODEL_PRESETS, ConfigError, RunConfig, from_dict, load_yaml, parse_overrides, set_by_path
+from msds.config import ConfigError, RunConfig, load_yaml, parse_overrides, run_config_from_dict, set_by_path
+from msds.plan import build_plan
 from msds.train.metrics import read_metrics
 
 BASELINE = "baseline"
+BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep")
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -38,31 +54,82 @@ def _merge(base: dict, overrides: dict) -> dict:
     return out
 
 
-def variant_configs(bench: dict, out_dir: Path, overrides: list[str]) -> dict[str, RunConfig]:
-    """Validated run configs of every variant (errors name `variants.<name>.<field>`)."""
-    unknown = sorted(set(bench) - {"base", "variants"})
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key in a bench config; it has `base` and `variants`")
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _factor_name(value: float) -> str:
+    return f"{value:g}"
+
+
+def _numbers(bench: dict, key: str, kind: type) -> list:
+    values = bench.get(key) or []
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               and v > 0 and (kind is float or v == int(v)) for v in values):
+        raise ConfigError(f"{key}: expected a list of positive {'numbers' if kind is float else 'integers'}, "
+                          f"got {values!r}")
+    return [kind(v) for v in values]
+
+
+def sweep_variants(bench: dict) -> dict[str, dict]:
+    """The baseline's sweep members (name -> overrides of `base`), the recipe's own setting first as
+    `baseline`. The grid is learning-rate factors x warmup lengths."""
     base = bench.get("base") or {}
+    optimizer = base.get("optimizer") or {}
+    lr, warmup = optimizer.get("lr", 1e-3), optimizer.get("warmup_steps", 20)
+    factors = _numbers(bench, "baseline_lr_sweep", float) or [1.0]
+    warmups = _numbers(bench, "baseline_warmup_sweep", int) or [warmup]
+    members = {}
+    for factor, steps in itertools.product(factors, warmups):
+        name = BASELINE + (f"-lr{_factor_name(factor)}x" if factor != 1 else "") + \
+            (f"-wu{steps}" if steps != warmup else "")
+        members[name] = {} if name == BASELINE else {"optimizer": {"lr": lr * factor, "warmup_steps": steps}}
+    members.setdefault(BASELINE, {})
+    return members
+
+
+def bench_seeds(bench: dict, cli_seeds: Optional[list[int]]) -> list[Optional[int]]:
+    """The seeds to run: --seeds, else the config's `seeds`, else [None] (the config's own seeds)."""
+    seeds = cli_seeds or _numbers(bench, "seeds", int)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: {seeds} repeats a seed")
+    return list(seeds) or [None]
+
+
+def variant_configs(bench: dict, out_dir: Path, overrides: list[str], world_size: int = 0,
+                    seed: Optional[int] = None) -> dict[str, RunConfig]:
+    """Validated run configs of every variant (sweep members first) as run, for one seed (None: the
+    config's own); errors name `variants.<name>.<field>`."""
+    unknown = sorted(set(bench) - set(BENCH_KEYS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key in a bench config; it has {', '.join(BENCH_KEYS)}")
+    base = copy.deepcopy(bench.get("base") or {})
     for key, value in parse_overrides(overrides):
         set_by_path(base, key, value)
+    if seed is not None:
+        set_by_path(base, "training.seed", seed)
+        set_by_path(base, "data.seed", seed)
     variants = bench.get("variants") or {}
     if BASELINE not in variants:
         raise ConfigError(f"variants.{BASELINE}: a bench needs a variant named {BASELINE!r} (it may be empty)")
+    members = sweep_variants({**bench, "base": base})
+    clash = sorted(set(members) & set(variants) - {BASELINE})
+    if clash:
+        raise ConfigError(f"variants.{clash[0]}: this name belongs to the baseline sweep; rename the variant")
     configs = {}
-    for name, changes in variants.items():
-        data = _merge(base, changes or {})
+    for name, changes in {**members, **{k: v for k, v in variants.items() if k != BASELINE}}.items():
+        data = _merge(_merge(base, variants[BASELINE] or {}), changes or {}) if name in members else \
+            _merge(base, changes or {})
         data["run_dir"] = str(out_dir / name)
-        model = data.get("model") or {}
-        preset = model.pop("preset", None)
-        if preset is not None:
-            if preset not in MODEL_PRESETS:
-                raise ConfigError(f"variants.{name}.model.preset: unknown size {preset!r}")
-            data["model"] = {**MODEL_PRESETS[preset], **model}
         try:
-            configs[name] = from_dict(RunConfig, data).validate()
+            configs[name] = build_plan(run_config_from_dict(data), world_size or _world_size()).config
         except ConfigError as exc:
             raise ConfigError(f"variants.{name}.{exc}") from exc
+    _check_fair(configs)
+    return configs
+
+
+def _check_fair(configs: dict[str, RunConfig]) -> None:
     reference = configs[BASELINE]
     for name, cfg in configs.items():
         tokens = (cfg.training.micro_batch_size * cfg.training.grad_accum, cfg.data.seq_len)
@@ -72,7 +139,6 @@ def variant_configs(bench: dict, out_dir: Path, overrides: list[str]) -> dict[st
         if (cfg.logging.eval_interval, cfg.logging.eval_batches, cfg.data.path, cfg.data.seed) != \
                 (reference.logging.eval_interval, reference.logging.eval_batches, reference.data.path, reference.data.seed):
             raise ConfigError(f"variants.{name}: data or evaluation settings differ from the baseline's")
-    return configs
 
 
 def first_crossing(evals: list[dict], target: float, key: str) -> float | None:
@@ -99,13 +165,14 @@ def value_at(evals: list[dict], key: str, x: float) -> float | None:
     return None
 
 
-def summarize(out_dir: Path, names: list[str]) -> dict:
-    runs = {name: {"evals": read_metrics(out_dir / name, "eval"),
-                   "transitions": read_metrics(out_dir / name, "transition")} for name in names}
-    baseline_evals = runs[BASELINE]["evals"]
-    target = baseline_evals[-1]["val_loss"]
-    base_flops, base_seconds = baseline_evals[-1]["flops"], baseline_evals[-1]["train_seconds"]
-    results = {"target_val_loss": target, "variants": {}}
+def summarize(seed_dir: Path, names: list[str], reference: str = BASELINE) -> dict:
+    """One seed: every variant against the reference baseline's final validation loss and cost."""
+    runs = {name: {"evals": read_metrics(seed_dir / name, "eval"),
+                   "transitions": read_metrics(seed_dir / name, "transition")} for name in names}
+    reference_evals = runs[reference]["evals"]
+    target = reference_evals[-1]["val_loss"]
+    base_flops, base_seconds = reference_evals[-1]["flops"], reference_evals[-1]["train_seconds"]
+    results = {"reference": reference, "target_val_loss": target, "variants": {}}
     for name in names:
         evals = runs[name]["evals"]
         flops_at = first_crossing(evals, target, "flops")
@@ -119,9 +186,9 @@ def summarize(out_dir: Path, names: list[str]) -> dict:
             "seconds_to_target": seconds_at,
             "flops_saving": None if flops_at is None else 1 - flops_at / base_flops,
             "wallclock_saving": None if seconds_at is None else 1 - seconds_at / base_seconds,
-            # What the baseline had reached with this variant's whole compute: the comparison at
+            # What the reference had reached with this variant's whole compute: the comparison at
             # equal cost when the variant does not reach the target.
-            "baseline_val_loss_at_same_flops": value_at(baseline_evals, "flops", evals[-1]["flops"]),
+            "baseline_val_loss_at_same_flops": value_at(reference_evals, "flops", evals[-1]["flops"]),
             "transition_seconds": sum(t["seconds"] for t in runs[name]["transitions"]),
             "transitions": [{k: t[k] for k in ("step", "direction", "from_level", "to_level", "seconds",
                                                 "loss_before", "loss_after")} for t in runs[name]["transitions"]],
@@ -130,20 +197,70 @@ def summarize(out_dir: Path, names: list[str]) -> dict:
     return results
 
 
-def markdown_table(results: dict) -> str:
-    def pct(x):
-        return "not reached" if x is None else f"{100 * x:.1f}%"
+def best_baseline(seed_dirs: list[Path], members: list[str]) -> tuple[str, dict[str, float]]:
+    """The sweep member with the lowest mean final validation loss over the seeds, and every
+    member's mean."""
+    means = {name: statistics.fmean(read_metrics(d / name, "eval")[-1]["val_loss"] for d in seed_dirs)
+             for name in members}
+    return min(means, key=means.get), means
 
-    lines = [f"Target: the baseline's final validation loss, {results['target_val_loss']:.4f}.", "",
-             "| variant | final val loss | baseline's val loss at the same FLOPs | total FLOPs | FLOPs to target | "
+
+def _spread(values: list[Optional[float]], worst) -> dict:
+    known = [v for v in values if v is not None]
+    complete = len(known) == len(values)
+    return {"mean": statistics.fmean(known) if complete else None,
+            "worst": worst(known) if complete else None, "per_seed": values}
+
+
+def aggregate(per_seed: dict[str, dict], names: list[str]) -> dict:
+    """Mean and worst over seeds of each variant's final loss and savings."""
+    out = {}
+    for name in names:
+        records = [per_seed[s]["variants"][name] for s in per_seed]
+        out[name] = {"final_val_loss": {**_spread([r["final_val_loss"] for r in records], max),
+                                        "best": min(r["final_val_loss"] for r in records)},
+                     "flops_saving": _spread([r["flops_saving"] for r in records], min),
+                     "wallclock_saving": _spread([r["wallclock_saving"] for r in records], min),
+                     "missed_in_seeds": [s for s, r in zip(per_seed, records) if not r["reached_target"]]}
+    return out
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def seed_table(results: dict) -> str:
+    lines = [f"Target: the reference ({results['reference']}) final validation loss, {results['target_val_loss']:.4f}.",
+             "",
+             "| variant | final val loss | reference's val loss at the same FLOPs | total FLOPs | FLOPs to target | "
              "wall-clock to target (s) | FLOPs saving | wall-clock saving | transitions (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["variants"].items():
         flops = "-" if r["flops_to_target"] is None else f"{r['flops_to_target']:.3e}"
         secs = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
         same = "-" if r["baseline_val_loss_at_same_flops"] is None else f"{r['baseline_val_loss_at_same_flops']:.4f}"
+        reach = (lambda x: "not reached" if x is None else _pct(x))
         lines.append(f"| {name} | {r['final_val_loss']:.4f} | {same} | {r['total_flops']:.3e} | {flops} | {secs} | "
-                     f"{pct(r['flops_saving'])} | {pct(r['wallclock_saving'])} | {r['transition_seconds']:.2f} |")
+                     f"{reach(r['flops_saving'])} | {reach(r['wallclock_saving'])} | {r['transition_seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict) -> str:
+    """The summary over seeds, then one table per seed."""
+    seeds = list(results["per_seed"])
+    lines = [f"Reference: `{results['reference']}` (lowest mean final validation loss of the baseline sweep: "
+             + ", ".join(f"{n} {v:.4f}" for n, v in results["baseline_sweep"].items()) + f"). Seeds: {', '.join(seeds)}.",
+             "",
+             "| variant | final val loss, mean (best..worst) | FLOPs saving, mean / worst | wall-clock saving, mean / worst | "
+             "missed the target in seeds |", "|---|---|---|---|---|"]
+    for name, a in results["variants"].items():
+        loss = a["final_val_loss"]
+        lines.append(f"| {name} | {loss['mean']:.4f} ({loss['best']:.4f}..{loss['worst']:.4f}) | "
+                     f"{_pct(a['flops_saving']['mean'])} / {_pct(a['flops_saving']['worst'])} | "
+                     f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])} | "
+                     f"{', '.join(a['missed_in_seeds']) or 'none'} |")
+    for seed in seeds:
+        lines += ["", f"### seed {seed}", "", seed_table(results["per_seed"][seed])]
     return "\n".join(lines) + "\n"
 
 
@@ -153,27 +270,29 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    styles = ["-", "--", ":", "-."]
     paths = []
     for key, label, filename in (("flops", "cumulative training FLOPs", "loss_vs_flops.png"),
                                  ("train_seconds", "training wall-clock (s)", "loss_vs_time.png")):
         fig, ax = plt.subplots(figsize=(8, 5))
-        for name, r in results["variants"].items():
-            xs = [e[key] for e in r["evals"]]
-            ys = [e["val_loss"] for e in r["evals"]]
-            line, = ax.plot(xs, ys, marker=".", label=name)
-            for t in r["transitions"]:   # mark each transition on the variant's own curve
-                at = next((e for e in r["evals"] if e["step"] >= t["step"]), None)
-                if at is not None:
-                    ax.axvline(at[key], color=line.get_color(), alpha=0.25, linestyle="--")
-        ax.axhline(results["target_val_loss"], color="black", linewidth=0.8, linestyle=":",
-                   label="baseline final val loss")
+        colors = {}
+        for i, (seed, per_seed) in enumerate(results["per_seed"].items()):
+            for name, r in per_seed["variants"].items():
+                kwargs = {"color": colors[name]} if name in colors else {}
+                line, = ax.plot([e[key] for e in r["evals"]], [e["val_loss"] for e in r["evals"]],
+                                linestyle=styles[i % len(styles)], marker=".", markersize=3,
+                                label=name if name not in colors else None, **kwargs)
+                colors.setdefault(name, line.get_color())
+            ax.axhline(per_seed["target_val_loss"], color="black", linewidth=0.8, linestyle=styles[i % len(styles)])
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss")
-        ax.set_title("validation loss (dashed: level transitions)")
-        ax.legend()
+        ax.set_title("validation loss; one line style per seed, black: the reference's final loss")
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        top = max(e["val_loss"] for r in results["variants"].values() for e in r["evals"][1:] or r["evals"])
-        ax.set_ylim(results["target_val_loss"] - 0.3, top + 0.1)
+        finals = [r["final_val_loss"] for s in results["per_seed"].values() for r in s["variants"].values()]
+        tops = [r["evals"][1]["val_loss"] for s in results["per_seed"].values() for r in s["variants"].values()
+                if len(r["evals"]) > 1]
+        ax.set_ylim(min(finals) - 0.2, max(tops or finals) + 0.1)
         fig.tight_layout()
         fig.savefig(out_dir / filename, dpi=120)
         plt.close(fig)
@@ -181,41 +300,54 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
-              only: list[str] | None = None) -> dict:
-    """Train every variant (or those in `only`; reusing finished ones), then write results.json,
-    results.md and plots."""
+def _train_missing(configs: dict[str, RunConfig], seed_dir: Path) -> None:
     from msds.train.loop import train
 
-    out_dir = Path(out_dir)
-    configs = variant_configs(load_yaml(config_path), out_dir, list(overrides))
-    if only:
-        unknown = sorted(set(only) - set(configs))
-        if unknown:
-            raise ConfigError(f"--only: {unknown[0]!r} is not a variant of {config_path}; its variants: "
-                              f"{', '.join(configs)}")
-        if BASELINE not in only:
-            raise ConfigError(f"--only: include {BASELINE}; every variant is measured against it")
-        configs = {name: cfg for name, cfg in configs.items() if name in only}
     for name, cfg in configs.items():
-        done = out_dir / name / "summary.json"
+        done = seed_dir / name / "summary.json"
         # What the run computes; where it was written does not count (a bench directory may move).
         record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
         if done.is_file() and json.loads(done.read_text())["config"] == record:
-            print(f"bench: {name} already finished in {done.parent}, reusing it", flush=True)
+            print(f"bench: {cfg.run_dir} already finished, reusing it", flush=True)
             continue
-        print(f"bench: training {name}", flush=True)
+        print(f"bench: training {cfg.run_dir}", flush=True)
         summary = train(cfg)
         if summary.exited_early:
             raise SystemExit(f"bench: {name} stopped early; run the same command again to continue")
         if dist.get_rank() == 0:
             done.write_text(json.dumps({"config": record, "final_val_loss": summary.final_val_loss}))
+
+
+def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
+              only: list[str] | None = None, seeds: list[int] | None = None) -> dict:
+    """Train every variant for every seed (or the variants in `only`, plus the baseline sweep;
+    reusing finished runs), then write results.json, results.md and plots."""
+    out_dir = Path(out_dir)
+    bench = load_yaml(config_path)
+    seed_list = bench_seeds(bench, seeds)
+    seed_dirs = {("config" if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}" for s in seed_list}
+    configs = {label: variant_configs(bench, seed_dirs[label], list(overrides), seed=s)
+               for label, s in zip(seed_dirs, seed_list)}
+    members = list(sweep_variants(bench))
+    names = list(next(iter(configs.values())))
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ConfigError(f"--only: {unknown[0]!r} is not a variant of {config_path}; its variants: "
+                              f"{', '.join(names)}")
+        if BASELINE not in only:
+            raise ConfigError(f"--only: include {BASELINE}; every variant is measured against it")
+        names = [n for n in names if n in only or n in members]
+    for label, seed_configs in configs.items():
+        _train_missing({n: seed_configs[n] for n in names}, seed_dirs[label])
     if dist.get_rank() != 0:
         return {}
-    results = summarize(out_dir, list(configs))
-    results["config"] = str(config_path)
+    reference, sweep = best_baseline(list(seed_dirs.values()), members)
+    per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
+    results = {"config": str(config_path), "reference": reference, "baseline_sweep": sweep,
+               "variants": aggregate(per_seed, names), "per_seed": per_seed}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown_table(results)
+    table = markdown(results)
     (out_dir / "results.md").write_text(table)
     plots = plot(results, out_dir)
     print(table)
@@ -224,7 +356,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
 
 
 def _run(args) -> int:
-    run_bench(args.config, args.out, args.overrides, args.only)
+    run_bench(args.config, args.out, args.overrides, args.only, args.seeds)
     return 0
 
 
@@ -233,10 +365,11 @@ def add_parser(subparsers, name: str, doc: str) -> None:
 
     parser = subparsers.add_parser(name, help=doc, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="bench config (recipes/bench-*.yaml)")
-    parser.add_argument("--out", required=True, help="output directory (one run directory per variant)")
+    parser.add_argument("--config", required=True, help="bench config, or a packaged recipe's name (bench-*)")
+    parser.add_argument("--out", required=True, help="output directory (one run directory per variant and seed)")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
+                        help="run every variant once per seed (overrides the config's `seeds`)")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants "
-                        "(baseline included), e.g. for a second seed of the interesting ones; put key=value "
-                        "overrides before --only")
+                        "(baseline included; the baseline sweep always runs); put key=value overrides before --only")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "parity": ("msds.model.parity", "check msds against transformers on the real MiniLM BERT checkpoint"),
     "map": ("msds.multilevel.cli", "coalesce / de-coalesce / interpolate checkpoints offline"),
     "data": ("msds.data.cli", "prepare tokenized corpora"),
+    "plan": ("msds.plan.cli", "check a run config and print its phases, FLOPs and memory per rank, without training"),
     "train": ("msds.train.loop", "train a model, with or without a V-cycle, under DeepSpeed"),
     "convert-checkpoint": ("msds.train.checkpointing",
                            "turn a training checkpoint (any tensor-parallel size) into a TP=1 model checkpoint"),

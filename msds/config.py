@@ -137,9 +137,17 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 
 
 def load_yaml(path: str | Path) -> dict:
+    """A run or bench config (`--config`): the YAML file `path`, else the packaged recipe of that
+    name (`demo` or `demo.yaml`, msds/resources.py), so an installed msds runs its recipes anywhere."""
+    from msds import resources
+
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        packaged = resources.recipe(str(path))
+        if packaged is None:
+            raise ConfigError(f"--config: {path} is neither a file nor a packaged recipe; give a path to a "
+                              f"YAML file or one of the packaged recipes: {', '.join(resources.recipe_names())}")
+        path = packaged
     with open(path) as f:
         data = yaml.safe_load(f)
     if data is None:
@@ -249,15 +257,22 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
+def expand_preset(model: dict, path: str = "model") -> dict:
+    """A model section with its `preset` (a named size) replaced by the preset's fields; fields given
+    next to the preset win."""
+    model = dict(model)
+    preset = model.pop("preset", None)
+    if preset is None:
+        return model
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"{path}.preset: unknown size {preset!r}; known: {', '.join(MODEL_PRESETS)}")
+    return {**MODEL_PRESETS[preset], **model}
+
+
 def model_config(preset: Optional[str] = None, **overrides) -> ModelConfig:
     """A validated ModelConfig from a named size plus field overrides."""
-    base = {}
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(f"model.preset: unknown size {preset!r}; known: {', '.join(MODEL_PRESETS)}")
-        base = dict(MODEL_PRESETS[preset])
-    base.update(overrides)
-    return from_dict(ModelConfig, base, "model").validate()
+    fields = expand_preset({"preset": preset, **overrides} if preset is not None else overrides)
+    return from_dict(ModelConfig, fields, "model").validate()
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,8 +320,8 @@ class TrainingConfig:
     """Micro-batches per optimizer step; global batch = micro_batch_size * grad_accum * dp size."""
     steps: int = 0
     """Optimizer steps of a run without multi-level training (the baseline; required there). With
-    multilevel enabled the run length is the sum of `multilevel.phase_steps`; leave this 0 or set
-    it to that sum."""
+    multilevel enabled the run length is the sum of `multilevel.phase_steps`; leave this 0, set it
+    to that sum, or (with `multilevel.budget_steps`) to budget_steps."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Mixed precision as DeepSpeed implements it (fp16 with dynamic loss scaling)."""
     zero_stage: int = 1
@@ -354,14 +369,25 @@ class MultilevelConfig:
     """Levels 2..K, each relative to the previous; K = len(levels) + 1."""
     phase_steps: list[int] = field(default_factory=list)
     """Steps of each phase, in order: level 1, 2, .., K, then K-1, .., 1 (2K - 1 phases per cycle,
-    repeated for each cycle with the shared level-1 phase counted once between cycles)."""
+    repeated for each cycle with the shared level-1 phase counted once between cycles). Leave it
+    empty to size the V-cycle from `budget_steps` instead."""
+    budget_steps: int = 0
+    """Size the V-cycle from its baseline: it spends the FLOPs of this many full-size (level-1)
+    steps, e.g. the baseline recipe's training.steps. Every phase but the last lasts its
+    `phase_fractions` share of budget_steps; the last (full-size) phase gets the steps that bring
+    the run's FLOPs, transitions included, to the budget. 0 = use `phase_steps`. training.steps may
+    stay the baseline's (equal to budget_steps): adding this section converts a baseline recipe."""
+    phase_fractions: list[float] = field(default_factory=list)
+    """With budget_steps: the length of every phase but the last, as fractions of budget_steps.
+    Empty = the measured default for one cycle of two levels, [0.2, 0.4]: coalesce after 20% of the
+    budget, train the small model for 40% of it (docs/method.md §7 has the evidence)."""
     cycles: int = 1
     """How many V-cycles to run."""
     alpha: float = 0.5
     """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced."""
     optimizer_policy: Literal["map", "reset"] = "map"
     """`map`: transform Adam's moments with the same grouping and keep the step count (default:
-    it decided between a 34% saving and a loss in first measurements, ../TUNING.md). `reset`: fresh
+    it decided between a 34% saving and a loss in first measurements, docs/method.md §7.2). `reset`: fresh
     optimizer state at every transition, as in the paper."""
     phase_warmup_steps: int = 10
     """Linear warmup at the start of every phase after the first."""
@@ -370,7 +396,7 @@ class MultilevelConfig:
     `run`: one cosine over the whole run, as the baseline's, scaled by each level's peak relative to
     optimizer.lr; after a transition the LR warms up to that curve over phase_warmup_steps."""
     shards: int = 0
-    """Group heads and FFN inside each of this many contiguous shards (METHOD.md 1.1, shard-local
+    """Group heads and FFN inside each of this many contiguous shards (docs/method.md §2.3, shard-local
     grouping); 0 = the tensor-parallel size, so transitions need no tensor-parallel communication.
     Must be a multiple of parallel.tensor. Set it explicitly to keep the same grouping (and so the
     same training) when the tensor-parallel size changes."""
@@ -430,70 +456,19 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self) -> "RunConfig":
-        self.model.validate("model")
-        positive = {"data.seq_len": self.data.seq_len, "training.micro_batch_size": self.training.micro_batch_size,
-                    "training.grad_accum": self.training.grad_accum,
-                    "logging.interval": self.logging.interval, "logging.eval_batches": self.logging.eval_batches,
-                    "multilevel.cycles": self.multilevel.cycles, "checkpoint.keep": self.checkpoint.keep}
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{name}: must be positive, got {value}")
-        if self.data.seq_len > self.model.max_positions:
-            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_positions "
-                              f"{self.model.max_positions}")
-        if self.parallel.tensor <= 0:
-            raise ConfigError(f"parallel.tensor: must be positive, got {self.parallel.tensor}")
-        if self.parallel.pipeline <= 0:
-            raise ConfigError(f"parallel.pipeline: must be positive, got {self.parallel.pipeline}")
-        if self.training.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {self.training.zero_stage}")
-        if self.parallel.pipeline > 1 and self.training.zero_stage != 1:
-            why = ("DeepSpeed pipelines do not support ZeRO 2 or 3" if self.training.zero_stage > 1 else
-                   "DeepSpeed 0.19.8's ZeRO-0 pipeline path clips gradients by a norm that leaves out the "
-                   "later stages' replicated parameters (LayerNorms, biases), so it would not train like the "
-                   "same run without a pipeline")
-            raise ConfigError(f"training.zero_stage: {self.training.zero_stage} with parallel.pipeline="
-                              f"{self.parallel.pipeline}: {why}; pipelines run with training.zero_stage=1")
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr: must be positive, got {self.optimizer.lr}")
-        ml = self.multilevel
-        if not ml.enabled:
-            if self.training.steps <= 0:
-                raise ConfigError(f"training.steps: must be positive, got {self.training.steps}")
-            return self
-        if ml.shards and ml.shards % self.parallel.tensor:
-            raise ConfigError(f"multilevel.shards: {ml.shards} is not a multiple of parallel.tensor "
-                              f"{self.parallel.tensor}; each tensor-parallel shard must hold whole groups")
-        if not 0.0 <= ml.alpha <= 1.0:
-            raise ConfigError(f"multilevel.alpha: must be in [0, 1], got {ml.alpha}")
-        if not ml.levels:
-            raise ConfigError("multilevel.levels: at least one coarser level is needed")
-        phases = (2 * len(ml.levels)) * ml.cycles + 1
-        if len(ml.phase_steps) != phases:
-            raise ConfigError(f"multilevel.phase_steps: {len(ml.levels) + 1} levels and {ml.cycles} "
-                              f"cycle(s) need {phases} phases (down, bottom, up), got {len(ml.phase_steps)}")
-        for i, steps in enumerate(ml.phase_steps):
-            if steps <= 0:
-                raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {steps}")
-        if self.training.steps not in (0, sum(ml.phase_steps)):
-            raise ConfigError(f"training.steps: {self.training.steps} differs from the sum of "
-                              f"multilevel.phase_steps ({sum(ml.phase_steps)}); set it to 0 or to that sum")
-        self.training.steps = sum(ml.phase_steps)
-        return self
-
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """RunConfig from a YAML file plus `key.path=value` overrides, validated."""
+    """RunConfig from a YAML file plus `key.path=value` overrides, with every field's type checked.
+    Cross-field checks and derived values are the run plan's (msds.plan.build_plan)."""
     data = load_yaml(path) if path else {}
-    preset = (data.get("model") or {}).pop("preset", None) if isinstance(data.get("model"), dict) else None
     for key, value in parse_overrides(list(overrides)):
-        if key == "model.preset":
-            preset = value
-        else:
-            set_by_path(data, key, value)
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(f"model.preset: unknown size {preset!r}; known: {', '.join(MODEL_PRESETS)}")
-        data["model"] = {**MODEL_PRESETS[preset], **(data.get("model") or {})}
-    return from_dict(RunConfig, data).validate()
+        set_by_path(data, key, value)
+    return run_config_from_dict(data)
+
+
+def run_config_from_dict(data: dict, path: str = "") -> RunConfig:
+    """RunConfig from a mapping whose `model` may name a `preset` (errors start with `path`)."""
+    data = dict(data)
+    if isinstance(data.get("model"), dict):
+        data["model"] = expand_preset(data["model"], f"{path}model")
+    return from_dict(RunConfig, data, path.rstrip("."))

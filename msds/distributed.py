@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from msds.model import megatron_cpu
+from msds.compat import check_versions, megatron_core_0_16
 
 
 def default_backend() -> str:
@@ -21,10 +21,12 @@ def default_backend() -> str:
 
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:
     """Initialise torch.distributed (from launcher variables, else one process) and megatron-core's
-    parallel state. Idempotent for the same sizes."""
+    parallel state. Idempotent for the same sizes. Refuses deepspeed / megatron-core versions other
+    than msds.compat's pins: the compat patches it applies are written for those."""
+    check_versions()
     from megatron.core import parallel_state
 
-    megatron_cpu.install()
+    megatron_core_0_16.install_cpu_fallbacks()
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             import deepspeed
@@ -55,7 +57,7 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
                           f"parallel.pipeline")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel)
-    megatron_cpu.seed_model_parallel_rng(seed)
+    megatron_core_0_16.seed_model_parallel_rng(seed)
 
 
 def data_parallel_group():

@@ -37,14 +37,16 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     results = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))
-    assert set(on_disk) == {"target_val_loss", "variants", "config"}
-    assert set(on_disk["variants"]) == {"baseline", "vcycle"}
-    base, vcycle = on_disk["variants"]["baseline"], on_disk["variants"]["vcycle"]
+    assert set(on_disk) == {"config", "reference", "baseline_sweep", "variants", "per_seed"}
+    assert on_disk["reference"] == "baseline" and list(on_disk["per_seed"]) == ["config"]
+    seed = on_disk["per_seed"]["config"]
+    assert set(seed["variants"]) == {"baseline", "vcycle"}
+    base, vcycle = seed["variants"]["baseline"], seed["variants"]["vcycle"]
     fields = {"final_val_loss", "total_flops", "total_seconds", "reached_target", "flops_to_target",
               "seconds_to_target", "flops_saving", "wallclock_saving", "transition_seconds", "transitions", "evals",
               "baseline_val_loss_at_same_flops"}
     assert set(base) == fields and set(vcycle) == fields
-    assert on_disk["target_val_loss"] == base["final_val_loss"] == base["evals"][-1]["val_loss"]
+    assert seed["target_val_loss"] == base["final_val_loss"] == base["evals"][-1]["val_loss"]
     # The baseline reaches its own final loss at its own cost: saving 0 by construction.
     assert base["reached_target"] and base["flops_saving"] == 0 and base["wallclock_saving"] == 0
     assert base["transitions"] == [] and base["transition_seconds"] == 0
@@ -56,8 +58,11 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     if vcycle["reached_target"]:
         assert vcycle["flops_saving"] == pytest.approx(1 - vcycle["flops_to_target"] / base["total_flops"])
         assert vcycle["wallclock_saving"] == pytest.approx(1 - vcycle["seconds_to_target"] / base["total_seconds"])
+        assert on_disk["variants"]["vcycle"]["missed_in_seeds"] == []
     else:
         assert vcycle["flops_saving"] is None and vcycle["seconds_to_target"] is None
+        assert on_disk["variants"]["vcycle"]["missed_in_seeds"] == ["config"]
+        assert on_disk["variants"]["vcycle"]["flops_saving"]["mean"] is None
     assert all(math.isfinite(e["val_loss"]) for e in vcycle["evals"])
     assert base["baseline_val_loss_at_same_flops"] == pytest.approx(base["final_val_loss"])
     # The V-cycle's compute lies inside the baseline's curve: an interpolated baseline loss there.
@@ -70,10 +75,43 @@ def test_minimal_bench_results(train_corpus, tmp_path):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     # A second run reuses both finished variants instead of training again.
     again = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
-    assert again["variants"]["vcycle"]["evals"] == vcycle["evals"]
+    assert again["per_seed"]["config"]["variants"]["vcycle"]["evals"] == vcycle["evals"]
     # --only reports the chosen variants (reused here too).
     assert set(run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"], only=["baseline"])["variants"]) \
         == {"baseline"}
+
+
+def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path):
+    """Every variant once per seed (other weights and data order), the baseline also at 4x its
+    learning rate; the sweep member with the lower mean final loss becomes the reference."""
+    bench = {**MINIMAL, "seeds": [1, 2], "baseline_lr_sweep": [1, 4]}
+    bench["base"] = {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 8}}
+    bench["variants"] = {"baseline": {}, "vcycle": {**MINIMAL["variants"]["vcycle"]}}
+    bench["variants"]["vcycle"]["multilevel"] = {**bench["variants"]["vcycle"]["multilevel"], "phase_steps": [2, 4, 2]}
+    out = tmp_path / "out"
+    results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"])
+    assert list(results["per_seed"]) == ["1", "2"]
+    for seed in ("1", "2"):
+        for name in ("baseline", "baseline-lr4x", "vcycle"):
+            assert (out / f"seed{seed}" / name / "summary.json").is_file()
+        run = yaml.safe_load((out / f"seed{seed}" / "baseline-lr4x" / "config.yaml").read_text())
+        assert run["optimizer"]["lr"] == pytest.approx(4 * 0.003) and run["training"]["seed"] == int(seed)
+        assert run["data"]["seed"] == int(seed)
+    finals = {s: {n: r["final_val_loss"] for n, r in results["per_seed"][s]["variants"].items()} for s in ("1", "2")}
+    assert finals["1"]["baseline"] != finals["2"]["baseline"]          # the seed changed the run
+    means = {n: (finals["1"][n] + finals["2"][n]) / 2 for n in ("baseline", "baseline-lr4x")}
+    assert results["baseline_sweep"] == pytest.approx(means)
+    assert results["reference"] == min(means, key=means.get)
+    for s in ("1", "2"):
+        assert results["per_seed"][s]["target_val_loss"] == finals[s][results["reference"]]
+    loss = results["variants"]["vcycle"]["final_val_loss"]
+    assert loss["mean"] == pytest.approx((finals["1"]["vcycle"] + finals["2"]["vcycle"]) / 2)
+    assert loss["worst"] == max(finals["1"]["vcycle"], finals["2"]["vcycle"])
+    savings = results["variants"]["vcycle"]["flops_saving"]
+    if None not in savings["per_seed"]:
+        assert savings["worst"] == min(savings["per_seed"])
+    md = (out / "results.md").read_text()
+    assert "### seed 1" in md and "### seed 2" in md and f"Reference: `{results['reference']}`" in md
 
 
 def test_first_crossing_interpolates_between_evaluations():

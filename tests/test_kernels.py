@@ -1,7 +1,7 @@
 """The Triton kernels (kernels/) against the PyTorch reference (msds.multilevel.tensor_ops), on the
 CPU under the Triton interpreter: every grouping kind, every dtype, odd sizes and small tiles so
 that tile edges are everywhere, outputs poisoned with NaN (and framed by NaN to catch writes past
-the masks), and the dispatcher's errors and PyTorch fallback."""
+the masks), and tensor_ops' backend choice: its errors and PyTorch fallback."""
 import importlib.util
 import os
 import sys
@@ -21,22 +21,26 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from kernels import dispatch, multilevel  # noqa: E402
+import kernels  # noqa: E402
+from kernels import multilevel  # noqa: E402
 
 if _outer_interpret is None:
     del os.environ["TRITON_INTERPRET"]
 else:
     os.environ["TRITON_INTERPRET"] = _outer_interpret
 from msds.errors import MsdsError  # noqa: E402
+from msds.multilevel import backends  # noqa: E402
 from msds.multilevel.grouping import Grouping  # noqa: E402
-from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_tensor  # noqa: E402
+from msds.multilevel.operators import tensor_scale  # noqa: E402
+from msds.multilevel.tensor_ops import (coalesce_tensor, decoalesce_interpolate_tensor,  # noqa: E402
+                                        decoalesce_tensor)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
 def interpreting(monkeypatch):
-    """dispatch's backend='triton' runs CPU tensors only while TRITON_INTERPRET is set."""
+    """backend='triton' runs CPU tensors only while TRITON_INTERPRET is set."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 SMALL_TILE = (4, 8)          # many programs and partial tiles on every edge of the shapes below
 
@@ -60,6 +64,18 @@ def _large_size(name: str) -> int:
 
 def _axes(rows, cols):
     return [(d, g) for d, g in ((0, rows), (1, cols)) if g is not None]
+
+
+def _members(rows, cols, large_shape):
+    """The kernels' coalesce maps of a large matrix, as msds builds them."""
+    return (backends.member_index(rows, large_shape[0], torch.device("cpu")),
+            backends.member_index(cols, large_shape[1], torch.device("cpu")))
+
+
+def _owners(rows, cols, large_shape):
+    """The kernels' de-coalesce maps of a large matrix, as msds builds them."""
+    return (backends.owner_index(rows, large_shape[0], torch.device("cpu")),
+            backends.owner_index(cols, large_shape[1], torch.device("cpu")))
 
 
 def _framed_nan(shape, dtype):
@@ -89,9 +105,9 @@ def test_coalesce_kernel_matches_reference(row_name, col_name, dtype):
     rows, cols = GROUPINGS[row_name][0], GROUPINGS[col_name][0]
     t = torch.randn(_large_size(row_name), _large_size(col_name)).to(dtype)
     for scale in (1.0, 4.0, 3.0):
-        reference = coalesce_tensor(t, _axes(rows, cols), scale)
+        reference = coalesce_tensor(t, _axes(rows, cols), scale, backend="torch")
         frame, out = _framed_nan(reference.shape, dtype)
-        multilevel.coalesce(t, rows, cols, scale, out=out, tile=SMALL_TILE)
+        multilevel.coalesce(t, *_members(rows, cols, t.shape), scale, out=out, tile=SMALL_TILE)
         assert not out.isnan().any(), "unwritten output elements"
         _assert_frame_untouched(frame, reference.shape)
         torch.testing.assert_close(out, reference, **_tolerance(dtype, scale * t.abs().max().item()))
@@ -108,16 +124,16 @@ def test_decoalesce_interpolate_kernel_is_the_reference_bit_for_bit(row_name, co
     small = torch.randn(large_shape[0] // (rows.factor if rows else 1),
                         large_shape[1] // (cols.factor if cols else 1)).to(dtype)
     saved = torch.randn(large_shape).to(dtype)
+    owners = _owners(rows, cols, large_shape)
     for scale in (1.0, 2.0, 3.0):
-        copies = decoalesce_tensor(small, _axes(rows, cols), scale)
+        copies = decoalesce_tensor(small, _axes(rows, cols), scale, backend="torch")
         frame, out = _framed_nan(large_shape, dtype)
-        multilevel.decoalesce(small, rows, cols, large_shape, scale, out=out, tile=SMALL_TILE)
+        multilevel.decoalesce(small, *owners, scale, out=out, tile=SMALL_TILE)
         assert torch.equal(out, copies)
         _assert_frame_untouched(frame, large_shape)
         for alpha in (0.0, 0.25, 0.5, 0.7, 1.0):
             frame, out = _framed_nan(large_shape, dtype)
-            multilevel.decoalesce(small, rows, cols, large_shape, scale, saved=saved, alpha=alpha,
-                                  out=out, tile=SMALL_TILE)
+            multilevel.decoalesce(small, *owners, scale, saved=saved, alpha=alpha, out=out, tile=SMALL_TILE)
             _assert_frame_untouched(frame, large_shape)
             assert torch.equal(out, torch.lerp(saved, copies, alpha)), f"alpha {alpha}, scale {scale}"
         assert torch.equal(out, copies)                        # alpha = 1: pure de-coalescing
@@ -130,9 +146,9 @@ def test_default_tiles_strided_inputs_and_copies_round_trip(dtype):
     torch.manual_seed(2)
     rows, cols = Grouping(10, 2, "strided", shards=5), Grouping(9, 3, "adjacent")
     small = torch.randn(27, 35).to(dtype).t()                 # (35, 27): 5 units of 7 rows, 3 of 9 cols
-    large = multilevel.decoalesce(small, rows, cols, (70, 81), 2.0)
-    assert torch.equal(large, decoalesce_tensor(small, [(0, rows), (1, cols)], 2.0))
-    back = multilevel.coalesce(large.t().contiguous().t(), rows, cols, 2.0)
+    large = multilevel.decoalesce(small, *_owners(rows, cols, (70, 81)), 2.0)
+    assert torch.equal(large, decoalesce_tensor(small, [(0, rows), (1, cols)], 2.0, backend="torch"))
+    back = multilevel.coalesce(large.t().contiguous().t(), *_members(rows, cols, (70, 81)), 2.0)
     assert torch.equal(back, small)
 
 
@@ -140,15 +156,39 @@ def test_default_tiles_strided_inputs_and_copies_round_trip(dtype):
 def test_non_finite_values_pass_through(dtype):
     """Non-finite values travel like the reference's (NaN stays NaN, inf stays inf)."""
     values = torch.tensor([[1.0, float("nan")], [float("inf"), -float("inf")], [3.0, 1e-3]]).to(dtype)
-    out = multilevel.decoalesce(values, None, None, (3, 2), 1.0)
+    out = multilevel.decoalesce(values, *_owners(None, None, (3, 2)), 1.0)
     assert torch.equal(out.isnan(), values.isnan()) and torch.equal(out.isinf(), values.isinf())
-    assert torch.equal(multilevel.coalesce(values, None, None, 1.0).nan_to_num(), values.nan_to_num())
+    coalesced = multilevel.coalesce(values, *_members(None, None, (3, 2)), 1.0)
+    assert torch.equal(coalesced.nan_to_num(), values.nan_to_num())
 
 
-# --- the dispatcher ------------------------------------------------------------------------------
+@pytest.mark.parametrize("call,match", [
+    (lambda: multilevel.coalesce(torch.randn(4, 4), *_members(None, None, (4, 3)), 1.0),
+     r"col_members: lists 3 channels, t has 4"),
+    (lambda: multilevel.coalesce(torch.randn(4), *_members(None, None, (4, 1)), 1.0), r"t: expected a 2-D"),
+    (lambda: multilevel.coalesce(torch.randn(4, 1).double(), *_members(None, None, (4, 1)), 1.0),
+     r"t: dtype torch.float64 has no kernel"),
+    (lambda: multilevel.coalesce(torch.randn(4, 1), torch.zeros(4, 1, dtype=torch.int64),
+                                 torch.zeros(1, 1, dtype=torch.int32), 1.0), r"row_members: expected a 2-D int32"),
+    (lambda: multilevel.decoalesce(torch.randn(2, 2), *_owners(None, None, (2, 2)), 1.0,
+                                   saved=torch.randn(2, 3)), r"saved: expected shape \(2, 2\)"),
+    (lambda: multilevel.decoalesce(torch.randn(2, 2), *_owners(None, None, (2, 2)), 1.0,
+                                   out=torch.empty(2, 2).half()), r"out: expected shape \(2, 2\), torch.float32"),
+])
+def test_kernel_launchers_refuse_bad_arguments(call, match):
+    """The kernels check what they are handed (ValueError): a wrong map would read out of bounds."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --- tensor_ops' backends ------------------------------------------------------------------------
+
+def _both(operator, *args, **kwargs):
+    return operator(*args, **kwargs, backend="triton"), operator(*args, **kwargs, backend="torch")
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dispatch_triton_and_torch_backends_agree(dtype):
+def test_triton_and_torch_backends_agree(dtype):
     torch.manual_seed(3)
     heads = Grouping(4, 2, "strided", shards=2)               # blocks of 3 rows (q, k, v of a head)
     hidden = Grouping(10, 2, "adjacent")
@@ -156,93 +196,80 @@ def test_dispatch_triton_and_torch_backends_agree(dtype):
     bias = torch.randn(12).to(dtype)
     tol = _tolerance(dtype, 2 * weight.abs().max().item())
 
-    def both(operator, *args, **kwargs):
-        return (operator(*args, **kwargs, backend="triton"), operator(*args, **kwargs, backend="torch"))
-
-    got, want = both(dispatch.coalesce_2d, weight, heads, hidden, col_reduce="sum")
+    got, want = _both(coalesce_tensor, weight, [(0, heads), (1, hidden)], hidden.factor)   # columns summed
     torch.testing.assert_close(got, want, **tol)
-    got, small_bias = both(dispatch.coalesce_2d, bias, heads)
+    got, small_bias = _both(coalesce_tensor, bias, [(0, heads)])
     torch.testing.assert_close(got, small_bias, **tol)
-    got, want = both(dispatch.decoalesce_2d, small_bias, heads)
+    got, want = _both(decoalesce_tensor, small_bias, [(0, heads)])
     assert got.shape == (12,) and torch.equal(got, want)
-    got, want = both(dispatch.decoalesce_interpolate_2d, small_bias, bias, 0.5, heads)
+    got, want = _both(decoalesce_interpolate_tensor, small_bias, bias, 0.5, [(0, heads)])
     assert torch.equal(got, want)
-    got, want = both(dispatch.decoalesce_2d, weight[:6, :5], heads, hidden, scale=2.0)
+    got, want = _both(decoalesce_tensor, weight[:6, :5], [(0, heads), (-1, hidden)], 2.0)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dispatch_moment_variants(dtype):
-    """exp_avg scales by c, exp_avg_sq by c^2, both ways, as operators._scale says."""
+def test_moments_take_the_scales_of_the_one_rule(dtype):
+    """exp_avg scales by c, exp_avg_sq by c^2 (operators.tensor_scale), both ways, on the kernels."""
     torch.manual_seed(4)
     rows, cols = Grouping(6, 2, "strided"), Grouping(4, 2, "adjacent")
-    exp_avg, exp_avg_sq = torch.randn(6, 8).to(dtype), torch.rand(6, 8).to(dtype)
-    c = 2
-    small = dispatch.coalesce_moments_2d(exp_avg, exp_avg_sq, rows, cols, c=c, backend="triton")
-    for got, moment, scale in zip(small, (exp_avg, exp_avg_sq), (c, c * c)):
-        want = coalesce_tensor(moment, [(0, rows), (1, cols)], scale)
-        torch.testing.assert_close(got, want, **_tolerance(dtype, scale * moment.abs().max().item()))
-    large = dispatch.decoalesce_interpolate_moments_2d(*small, exp_avg, exp_avg_sq, 0.25, rows, cols,
-                                                       c=c, backend="triton")
-    for got, moment, saved, scale in zip(large, small, (exp_avg, exp_avg_sq), (c, c * c)):
-        assert torch.equal(got, torch.lerp(saved, decoalesce_tensor(moment, [(0, rows), (1, cols)], scale), 0.25))
+    sides = [(0, rows, "out"), (1, cols, "in")]
+    axes = [(0, rows), (1, cols)]
+    for kind, moment in (("exp_avg", torch.randn(6, 8).to(dtype)), ("exp_avg_sq", torch.rand(6, 8).to(dtype))):
+        scale = tensor_scale(sides, 1, kind)
+        assert scale == {"exp_avg": 2, "exp_avg_sq": 4}[kind]
+        small = coalesce_tensor(moment, axes, scale, backend="triton")
+        torch.testing.assert_close(small, coalesce_tensor(moment, axes, scale, backend="torch"),
+                                   **_tolerance(dtype, scale * moment.abs().max().item()))
+        large = decoalesce_interpolate_tensor(small, moment, 0.25, axes, scale, backend="triton")
+        assert torch.equal(large, torch.lerp(moment, decoalesce_tensor(small, axes, scale, backend="torch"), 0.25))
 
 
-def test_fused_tensor_ops_entry_points():
-    """tensor_ops' arguments: 2-D, 1-D and a depth stack (dim 0 of a 3-D tensor) on the kernels;
-    None for CPU tensors under `auto` and for axes that do not fit a matrix."""
+def test_kernels_take_tensor_ops_shapes():
+    """2-D, 1-D and a depth stack (dim 0 of a 3-D tensor) run on the kernels; CPU tensors under
+    `auto` and axes that do not fit the kernels' matrix take PyTorch."""
     torch.manual_seed(5)
     rows, cols = Grouping(6, 2, "strided"), Grouping(4, 2, "adjacent")
     layers = Grouping(4, 2, "adjacent")
     cases = [(torch.randn(6, 8), [(0, rows), (-1, cols)]), (torch.randn(12), [(0, rows)]),
              (torch.randn(4, 6, 8), [(0, layers)])]
-    assert dispatch.fused_coalesce_tensor(cases[0][0], cases[0][1]) is None        # CPU: PyTorch path
-    original = dispatch._use_triton
-    try:
-        dispatch._use_triton = lambda t, backend, name: True                       # as if on CUDA
-        for t, axes in cases:
-            torch.testing.assert_close(dispatch.fused_coalesce_tensor(t, axes, 2.0),
-                                       coalesce_tensor(t, axes, 2.0), rtol=1e-6, atol=1e-6)
-            small = coalesce_tensor(t, axes)
-            assert torch.equal(dispatch.fused_decoalesce_tensor(small, axes, 4.0),
-                               decoalesce_tensor(small, axes, 4.0))
-        assert dispatch.fused_coalesce_tensor(torch.randn(4, 6, 8), [(1, rows)]) is None
-    finally:
-        dispatch._use_triton = original
+    assert not backends.use_kernels(cases[0][0], cases[0][1], "auto")            # CPU: PyTorch path
+    for t, axes in cases:
+        torch.testing.assert_close(coalesce_tensor(t, axes, 2.0, backend="triton"),
+                                   coalesce_tensor(t, axes, 2.0, backend="torch"), rtol=1e-6, atol=1e-6)
+        small = coalesce_tensor(t, axes)
+        assert torch.equal(decoalesce_tensor(small, axes, 4.0, backend="triton"),
+                           decoalesce_tensor(small, axes, 4.0, backend="torch"))
+    middle = [(1, rows)]
+    assert backends.matrix_groupings(torch.randn(4, 6, 8), middle) is None
+    with pytest.raises(MsdsError, match=r"t: its grouped dims \[1\] do not fit the kernels' matrix view"):
+        coalesce_tensor(torch.randn(4, 6, 8), middle, backend="triton")
 
 
 def test_without_triton_everything_runs_on_the_pytorch_path(monkeypatch):
-    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
     rows = Grouping(4, 2, "strided")
     t = torch.randn(4, 3)
-    assert torch.equal(dispatch.coalesce_2d(t, rows), coalesce_tensor(t, [(0, rows)]))
-    assert dispatch.fused_coalesce_tensor(t, [(0, rows)]) is None
+    assert torch.equal(coalesce_tensor(t, [(0, rows)]), coalesce_tensor(t, [(0, rows)], backend="torch"))
+    assert not backends.use_kernels(t, [(0, rows)], "auto")
     with pytest.raises(MsdsError, match=r"msds\[kernels\]"):
-        dispatch.coalesce_2d(t, rows, backend="triton")
+        coalesce_tensor(t, [(0, rows)], backend="triton")
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: dispatch.coalesce_2d(torch.randn(7, 4), Grouping(4, 2), backend="triton"),
-     r"t axis 0 \(rows\): has 7 channels, not a multiple of the grouping's 4 large units"),
-    (lambda: dispatch.decoalesce_2d(torch.randn(3, 4), None, Grouping(6, 2), backend="triton"),
-     r"small axis 1 \(cols\): has 4 channels, not a multiple of the grouping's 3 small units"),
-    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 5), 0.5, Grouping(4, 2)),
+    (lambda: coalesce_tensor(torch.randn(7, 4), [(0, Grouping(4, 2))], backend="triton"),
+     r"t axis 0: has 7 channels, not a multiple of the grouping's 4 large units"),
+    (lambda: decoalesce_tensor(torch.randn(3, 4), [(1, Grouping(6, 2))], backend="torch"),
+     r"t axis 1: has 4 channels, not a multiple of the grouping's 3 small units"),
+    (lambda: decoalesce_interpolate_tensor(torch.randn(2, 4), torch.randn(4, 5), 0.5, [(0, Grouping(4, 2))]),
      r"saved: shape \(4, 5\) disagrees with \(4, 4\)"),
-    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4).half(), 0.5, Grouping(4, 2)),
+    (lambda: decoalesce_interpolate_tensor(torch.randn(2, 4), torch.randn(4, 4).half(), 0.5, [(0, Grouping(4, 2))]),
      r"saved: dtype torch.float16 disagrees with small's torch.float32; cast one"),
-    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4, device="meta"), 0.5,
-                                                Grouping(4, 2)),
+    (lambda: decoalesce_interpolate_tensor(torch.randn(2, 4), torch.randn(4, 4, device="meta"), 0.5,
+                                           [(0, Grouping(4, 2))]),
      r"saved: is on meta, small on cpu; move both to one device"),
-    (lambda: dispatch.decoalesce_interpolate_2d(torch.randn(2, 4), torch.randn(4, 4), 1.5, Grouping(4, 2)),
-     r"alpha: 1.5 is outside \[0, 1\]"),
-    (lambda: dispatch.coalesce_moments_2d(torch.randn(4, 4), torch.randn(4, 4).bfloat16(), Grouping(4, 2), c=2),
-     r"exp_avg_sq: dtype torch.bfloat16 disagrees with exp_avg's"),
-    (lambda: dispatch.coalesce_2d(torch.randn(4, 4, 2), Grouping(4, 2)), r"t: has 3 dimensions"),
-    (lambda: dispatch.coalesce_2d(torch.randn(4), None, Grouping(4, 2)), r"cols: t is 1-D"),
-    (lambda: dispatch.coalesce_2d(torch.randn(4, 4), Grouping(4, 2), row_reduce="max"),
-     r"row_reduce: 'max' is not one of 'mean', 'sum'"),
-    (lambda: dispatch.coalesce_2d(torch.randn(4, 4), backend="cuda"), r"backend: 'cuda' is not one of"),
-    (lambda: dispatch.coalesce_2d(torch.randn(4, 4).double(), backend="triton"),
+    (lambda: coalesce_tensor(torch.randn(4, 4), [], backend="cuda"), r"backend: 'cuda' is not one of"),
+    (lambda: coalesce_tensor(torch.randn(4, 4).double(), [], backend="triton"),
      r"t: dtype torch.float64 has no kernel"),
 ])
 def test_bad_input_is_one_clear_error(call, match):
@@ -253,4 +280,4 @@ def test_bad_input_is_one_clear_error(call, match):
 def test_cpu_without_the_interpreter_is_refused_for_backend_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(MsdsError, match=r"t: is on cpu; the Triton kernels run on CUDA tensors"):
-        dispatch.coalesce_2d(torch.randn(4, 4), backend="triton")
+        coalesce_tensor(torch.randn(4, 4), [], backend="triton")

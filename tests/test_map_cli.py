@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from msds.checkpoint import LEVEL_FILE, load_model, save_model
+from msds.model.files import LEVEL_FILE, load_model, save_model
 from msds.cli import main as msds_main
 from msds.config import model_config
 from msds.model.hf import read_hf, write_hf

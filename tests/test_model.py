@@ -6,7 +6,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from msds.checkpoint import load_into, load_model, model_tensors, save_model
+from msds.model.files import load_into, load_model, model_tensors, save_model
 from msds.cli import main as msds_main
 from msds.config import ConfigError, model_config
 from msds.errors import MsdsError

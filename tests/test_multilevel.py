@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from msds.checkpoint import load_into
+from msds.model.files import load_into
 from msds.config import ConfigError, model_config
 from msds.errors import MsdsError
 from msds.model.roles import expected_shapes
@@ -168,7 +168,7 @@ def test_width_decoalescing_with_separate_factors_keeps_the_logits():
 
 
 def test_width_moment_mapping_reproduces_the_gradients():
-    """TUNING.md point 1: for width, de-coalesced first/second moments of the small model's gradient
+    """docs/method.md §4.2: for width, de-coalesced first/second moments of the small model's gradient
     are the large model's gradient (squared), and coalescing maps them back."""
     level = plan_level(make_cfg(2, 1), hidden=2, heads=2, ffn=2, layout="strided")
     small = random_tensors(level.small, seed=4)

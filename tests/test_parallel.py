@@ -9,14 +9,14 @@ import pytest
 import torch
 import transformers
 
-from msds.checkpoint import load_into, load_model, model_tensors
+from msds.model.files import load_into, load_model, model_tensors
 from msds.cli import main as msds_main
 from msds.config import ConfigError, load_run_config, model_config
 from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 from msds.multilevel.operators import coalesce, decoalesce, plan_level
 from msds.train.loop import train
-from msds.train.schedule import level_maps
+from msds.plan import build_plan
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
 EXACT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
 TOLERANCE = 1e-5   # absolute, on per-step losses of ~6: float reassociation of split matmuls and sums
@@ -69,18 +69,18 @@ def test_tensor_parallel_size_that_does_not_divide_a_level(train_corpus):
                                    "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 2}, {hidden: 1, heads: 2, ffn: 1, layers: 1}]"])
     with pytest.raises(ConfigError, match=r"^multilevel\.levels\[1\]\.heads: factor 2 does not divide num_heads 2 "
                                           r"in each of 2 shards.*parallel\.tensor=2"):
-        level_maps(cfg)
+        build_plan(cfg)
     # FFN 6 split over 2 ranks cannot be halved inside each 3-wide shard.
     cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.tensor=2", "model.ffn_size=6",
                                    "multilevel.levels=[{hidden: 1, heads: 1, ffn: 2, layers: 1}]",
                                    "multilevel.phase_steps=[6,6,6]"])
     with pytest.raises(ConfigError, match=r"^multilevel\.levels\[0\]\.ffn: factor 2 does not divide ffn_size 6 "
                                           r"in each of 2 shards.*parallel\.tensor=2"):
-        level_maps(cfg)
+        build_plan(cfg)
     # And a level-1 model the tensor-parallel size cannot split at all.
     cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.tensor=3"])
     with pytest.raises(ConfigError, match=r"^parallel\.tensor: 3 does not divide num_heads 4 of the level-1 model"):
-        level_maps(cfg)
+        build_plan(cfg)
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_pipeline_layer_groups_stay_within_their_stage(train_corpus, depth_layou
     cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", "parallel.pipeline=2", "model.num_layers=8",
                                    f"multilevel.levels=[{{hidden: 1, heads: 1, ffn: 1, layers: 2, "
                                    f"depth_layout: {depth_layout}}}, {{hidden: 1, heads: 1, ffn: 1, layers: 2}}]"])
-    for level_map in level_maps(cfg):
+    for level_map in build_plan(cfg, world_size=2).level_maps:
         large, small = level_map.large.num_layers, level_map.small.num_layers
         for small_layer, group in enumerate(level_map.groupings["layers"].members().tolist()):
             stages = {layer // (large // 2) for layer in group}
@@ -166,7 +166,7 @@ def test_pipeline_layouts_that_do_not_fit_are_refused_at_startup(train_corpus, t
     for stage in (0, 2, 3):
         with pytest.raises(ConfigError, match=rf"^training\.zero_stage: {stage} with parallel\.pipeline=2: .*"
                                               r"pipelines run with training\.zero_stage=1$"):
-            load_run_config(RECIPE, [*base, f"training.zero_stage={stage}"])
+            build_plan(load_run_config(RECIPE, [*base, f"training.zero_stage={stage}"]), world_size=2)
     # Layers 4 -> 1: the second level has fewer layers than stages. Refused by `train` before any
     # process group is made (this is a one-process world: making a 2-stage one would fail otherwise).
     cfg = load_run_config(RECIPE, [*base, "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 4}, "

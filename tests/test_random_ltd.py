@@ -8,8 +8,8 @@ import torch
 
 from msds.config import ConfigError, model_config
 from msds.model.transformer import Transformer, route_tokens, sdpa_mask
-from msds.train import random_ltd
-from msds.train.schedule import flops_per_sample
+from msds.plan import random_ltd
+from msds.plan.schedule import flops_per_sample
 
 DS_LTD = {
     "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
@@ -110,7 +110,7 @@ def test_decoder_mask_is_the_top_left_causal_corner():
 def test_schedule_matches_deepspeed_fixed_linear():
     from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 
-    ltd = random_ltd.parse(copy.deepcopy(DS_LTD), model_config("gpt-tiny", num_layers=4), 32)
+    ltd = random_ltd.parse(copy.deepcopy(DS_LTD["data_efficiency"]), model_config("gpt-tiny", num_layers=4), 32)
     routing = DS_LTD["data_efficiency"]["data_routing"]["random_ltd"]
     reference = RandomLTDScheduler({**routing, "global_batch_size": 8,
                                     "layer_token_lr_schedule": {"enabled": False}})
@@ -132,7 +132,9 @@ def test_flops_use_the_effective_sequence_length():
 
 
 @pytest.mark.parametrize("path,value,message", [
-    (["random_ltd_layer_id"], [1, 9], r"random_ltd_layer_id: layer 9 is outside the model"),
+    (["random_ltd_layer_id"], [1, 9], r"random_ltd_layer_id: \[1, 9\] is not supported; msds routes layers 1\.\.L-2 "
+                                      r"\(\[1, 2\] for model\.num_layers=4\)"),
+    (["random_ltd_layer_num"], 1, r"random_ltd_layer_num: 1 is not supported; msds routes 2 layers"),
     (["random_ltd_schedule", "min_value"], 64, r"min_value: 64 must be in 1\.\.32"),
     (["random_ltd_schedule", "schedule_type"], "fixed_root", r"schedule_type: 'fixed_root' is not implemented"),
     (["total_layer_num"], 6, r"total_layer_num: 6, but model.num_layers is 4"),
@@ -144,7 +146,7 @@ def test_bad_random_ltd_config(path, value, message, tmp_path, train_corpus):
         node = node[key]
     node[path[-1]] = value
     with pytest.raises(ConfigError, match=message):
-        random_ltd.parse(copy.deepcopy(ds), model_config("gpt-tiny", num_layers=4), 32)
+        random_ltd.parse(copy.deepcopy(ds["data_efficiency"]), model_config("gpt-tiny", num_layers=4), 32)
     # Through the trainer: the same error before any training.
     from msds.config import load_run_config
     from msds.train.loop import train
@@ -164,8 +166,8 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     """With short routed sequences early on, a step consumes fewer layer-tokens than a full one, so
     the LayerToken schedule's warmup and decay lag the step-based schedule and meet it at the end."""
     from msds.config import load_run_config
-    from msds.train.loop import Trainer
-    from msds.train.schedule import level_maps, lr_multiplier
+    from msds.plan import build_plan
+    from msds.plan.schedule import lr_multiplier
 
     ds = json.loads(open("ds_configs/zero1.json").read())
     ds.update(copy.deepcopy(DS_LTD))
@@ -175,9 +177,13 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
         f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
         "multilevel.enabled=false", "training.steps=100", "optimizer.warmup_steps=20",
         f"training.ds_config={tmp_path / 'ds.json'}"])
-    trainer = Trainer(cfg, level_maps(cfg))
-    phase = trainer.phases[0]
-    by_layer_tokens = trainer.lr_lambda(phase)
+    plan = build_plan(cfg)
+    phase = plan.phases[0]
+    by_layer_tokens = plan.lr_curves[0]
     assert by_layer_tokens(10) < lr_multiplier(phase, 10, cfg.optimizer.min_lr_ratio)
     assert by_layer_tokens(100) == pytest.approx(lr_multiplier(phase, 100, cfg.optimizer.min_lr_ratio))
-    trainer.log.close()
+    # Under one run-long cosine the LayerToken clock is not applied yet: refused, not ignored.
+    with pytest.raises(ConfigError, match=r"^multilevel\.lr_schedule: `run` does not apply random-LTD's "
+                                          r"layer_token_lr_schedule"):
+        build_plan(load_run_config("recipes/test-vcycle-gpt.yaml", [
+            f"data.path={train_corpus}", "multilevel.lr_schedule=run", f"training.ds_config={tmp_path / 'ds.json'}"]))

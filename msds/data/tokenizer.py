@@ -23,8 +23,9 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from msds.data.sources import RegistryArchive, sha256_file
+from msds.data.sources import RegistryArchive
 from msds.errors import MsdsError
+from msds.integrity import sha256_file
 
 EOS = "<|endoftext|>"
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from msds.checkpoint import atomic_directory, check_tensors, load_model, save_model
+from msds.model.files import atomic_directory, check_tensors, load_model, save_model
 from msds.config import ConfigError, ModelConfig, model_config
 from msds.errors import MsdsError
 

@@ -44,7 +44,7 @@ def minilm_roundtrip(workdir: Path) -> dict[str, float]:
     transformers.logging.set_verbosity_error()      # the load reports list the heads we drop/add
     transformers.utils.logging.disable_progress_bar()
 
-    from msds.checkpoint import load_into, load_model, save_model
+    from msds.model.files import load_into, load_model, save_model
     from msds.distributed import init_distributed
     from msds.model.hf import read_hf, write_hf
     from msds.model.transformer import Transformer

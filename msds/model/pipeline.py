@@ -23,16 +23,15 @@ shards = P (msds.train.schedule.level_maps) keeps every group of layers inside o
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator, Optional
 
-import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 
+from msds.compat import deepspeed_0_19 as ds_compat
 from msds.config import ModelConfig
 from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, check_buildable, init_seed,
                                     megatron_config, route_tokens, routes_tokens, sdpa_mask, token_loss,
@@ -112,29 +111,6 @@ def unit_prefixes(cfg: ModelConfig) -> list[Optional[str]]:
     return ["embeddings.word.", "embeddings.", *(f"layers.{i}." for i in range(cfg.num_layers)), None, "head."]
 
 
-# Process groups of the pipeline layouts built so far, by rank set. Every engine of a run (one per
-# V-cycle phase) has the same layout; without reuse each would open a new set of communicators
-# (NCCL ones hold GPU memory) that nothing closes.
-_GROUPS: dict[tuple, object] = {}
-
-
-@contextlib.contextmanager
-def _reused_process_groups():
-    create = ds_comm.new_group
-
-    def new_group(ranks):
-        key = (id(dist.group.WORLD), tuple(sorted(ranks)))
-        if key not in _GROUPS:
-            _GROUPS[key] = create(ranks=ranks)
-        return _GROUPS[key]
-
-    ds_comm.new_group = new_group
-    try:
-        yield
-    finally:
-        ds_comm.new_group = create
-
-
 class PipelineTransformer(PipelineModule):
     """This process's stage of the pipeline over megatron-core's parallel state (pipeline, tensor
     and data parallel sizes). `seed` as for Transformer."""
@@ -155,7 +131,8 @@ class PipelineTransformer(PipelineModule):
         topology = PipeModelDataParallelTopology(
             num_pp=stages, num_mp=parallel_state.get_tensor_model_parallel_world_size(),
             num_dp=parallel_state.get_data_parallel_world_size())
-        with _reused_process_groups():
+        # Every engine of a run (one per V-cycle phase) has this layout: reuse its process groups.
+        with ds_compat.reused_process_groups():
             super().__init__(specs, topology=topology, loss_fn=token_loss, partition_method="type:^PipeBlock$")
         self.cfg = cfg
         self.routing = routing
@@ -163,14 +140,14 @@ class PipelineTransformer(PipelineModule):
         self._check_layout(stages)
 
     def _check_layout(self, stages: int) -> None:
-        same = (dist.get_process_group_ranks(parallel_state.get_data_parallel_group()) == self._grid.dp_group
-                and dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-                == self._grid.pp_group)
+        dp_ranks, pp_ranks = ds_compat.pipeline_group_ranks(self)
+        same = (dist.get_process_group_ranks(parallel_state.get_data_parallel_group()) == dp_ranks
+                and dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()) == pp_ranks)
         if not same:
             raise RuntimeError("DeepSpeed's pipeline topology and megatron-core's parallel state disagree on "
                                "the data- or pipeline-parallel groups")
         per_stage = self.cfg.num_layers // stages
-        blocks = [i for i in range(self._local_start, self._local_stop) if self._prefixes[i] and
+        blocks = [i for i in ds_compat.local_layer_indices(self) if self._prefixes[i] and
                   self._prefixes[i].startswith("layers.")]
         if len(blocks) != per_stage:
             raise RuntimeError(f"pipeline stage {self.stage_id} holds {len(blocks)} blocks, expected {per_stage}")

@@ -147,3 +147,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 dims.append(size[axis.role])
         shapes[name] = tuple(dims)
     return shapes
+
+
+def routes_tokens(layer: int, num_layers: int) -> bool:
+    """Whether random-LTD routes layer `layer`: every layer but the first and the last, which see
+    every token. The model, its pipeline stages and the plan's FLOPs and LayerToken counts all ask
+    here."""
+    return 0 < layer < num_layers - 1

@@ -23,6 +23,7 @@ from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
 from torch import nn
 
 from msds.config import ConfigError, ModelConfig
+from msds.model.roles import routes_tokens
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
     from apex.normalization import FusedLayerNorm as LayerNorm
@@ -74,12 +75,6 @@ def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[tor
     if attention_mask is None or arch == "gpt":
         return None
     return attention_mask.bool()[:, None, None, :]
-
-
-def routes_tokens(layer: int, num_layers: int) -> bool:
-    """Whether random-LTD routes layer `layer`: every layer but the first and the last, which see
-    every token."""
-    return 0 < layer < num_layers - 1
 
 
 def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from msds.checkpoint import LEVEL_FILE, atomic_directory, load_model, write_model_files
+from msds.model.files import LEVEL_FILE, atomic_directory, load_model, write_model_files
 from msds.config import ModelConfig
 from msds.errors import MsdsError
 from msds.model.hf import read_hf, write_hf
@@ -129,7 +129,7 @@ def run_decoalesce(args) -> int:
 
 
 def run_interpolate(args) -> int:
-    check_alpha(args.alpha)                               # before reading anything
+    check_alpha(args.alpha, "--alpha")                    # before reading anything
     fmt, cfg, tensors, record = _read(args.src)
     _, saved_cfg, saved, saved_record = _read(args.saved)
     if _shape(cfg) != _shape(saved_cfg):

@@ -1,4 +1,4 @@
-"""Groupings: which units of one model axis merge into one unit of the smaller model (METHOD.md 1.1).
+"""Groupings: which units of one model axis merge into one unit of the smaller model (docs/method.md §2).
 
 A `Grouping` partitions `units` groupable units (hidden channels, attention heads, FFN neurons or
 layers) into `units // factor` groups of `factor` units; small unit i is group i. It is data, not

@@ -1,5 +1,5 @@
-"""Coalesce, de-coalesce and interpolate whole models (METHOD.md 1.2), and map Adam's moments
-(TUNING.md point 1), as pure functions over named tensors.
+"""Coalesce, de-coalesce and interpolate whole models (docs/method.md §3), and map Adam's moments
+(docs/method.md §4), as pure functions over named tensors.
 
 The only knowledge of the model is the parameter-role table (msds.model.roles): for each tensor
 axis its role (hidden / heads / ffn / fixed), its side (out / in) and block, and the layer index of
@@ -224,9 +224,11 @@ def _grouped_axes(name: str, tensor: torch.Tensor, role: ParamRole, level: Level
     return axes
 
 
-def _scale(axes, depth_factor: int, kind: str) -> float:
-    """The tensor's scale for tensor_ops (module doc): in-side factors for parameters, c or c^2 for
-    moments (depth_factor = 1 for tensors outside the layers)."""
+def tensor_scale(axes, depth_factor: int, kind: str) -> float:
+    """The scale tensor_ops (and through it the kernels) applies to one tensor, the one place of this
+    rule (module doc): for parameters the product of the in-side factors; for Adam's moments
+    c = product of the out-side factors times `depth_factor` (1 for tensors outside the layers), c
+    for exp_avg and c^2 for exp_avg_sq. `axes`: (dim, grouping, side) of each resized axis."""
     if kind == "param":
         return math.prod(g.factor for _, g, side in axes if side == "in")
     c = math.prod(g.factor for _, g, side in axes if side == "out") * depth_factor
@@ -255,7 +257,7 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
             by_suffix[_layer_suffix(name, role)][role.layer] = name
             continue
         axes = _grouped_axes(name, tensor, role, level, large=True)
-        out[name] = coalesce_tensor(tensor, [(d, g) for d, g, _ in axes], _scale(axes, 1, kind))
+        out[name] = coalesce_tensor(tensor, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind))
     if depth is not None:
         whole_group = Grouping(units=depth.factor, factor=depth.factor, layout="adjacent")
         groups = depth.members().tolist()
@@ -274,8 +276,10 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
                                     f"{[tuple(t.shape) for t in members]}; layers that merge must agree")
                 axes = _grouped_axes(names[group[0]], members[0], roles[names[group[0]]], level, large=True)
                 # Width first, layer by layer, then the layer mean over the (smaller) results.
-                narrow = [coalesce_tensor(t, [(d, g) for d, g, _ in axes], _scale(axes, 1, kind)) for t in members]
-                merged = coalesce_tensor(torch.stack(narrow), [(0, whole_group)], _scale([], depth.factor, kind))
+                narrow = [coalesce_tensor(t, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind))
+                          for t in members]
+                merged = coalesce_tensor(torch.stack(narrow), [(0, whole_group)],
+                                         tensor_scale([], depth.factor, kind))
                 out[f"layers.{small_layer}.{suffix}"] = merged.squeeze(0)
     return _ordered(out, level.small)
 
@@ -293,7 +297,7 @@ def decoalesce(small_tensors: dict[str, torch.Tensor], level: LevelMap,
         in_layers = depth is not None and role.layer is not None
         axes = _grouped_axes(name, tensor, role, level, large=False)
         large = decoalesce_tensor(tensor, [(d, g) for d, g, _ in axes],
-                                  _scale(axes, depth.factor if in_layers else 1, kind))
+                                  tensor_scale(axes, depth.factor if in_layers else 1, kind))
         if not in_layers:
             out[name] = large
             continue
@@ -303,9 +307,10 @@ def decoalesce(small_tensors: dict[str, torch.Tensor], level: LevelMap,
     return _ordered(out, level.large)
 
 
-def check_alpha(alpha) -> None:
+def check_alpha(alpha, path: str = "alpha") -> None:
+    """The one check of an interpolation weight (run plans, `msds map`, `interpolate`)."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"alpha: {alpha!r} is outside [0, 1]; 0 keeps the saved large weights, "
+        raise ConfigError(f"{path}: {alpha!r} is outside [0, 1]; 0 keeps the saved large weights, "
                           f"1 takes the de-coalesced ones (the paper uses 0.25-0.5)")
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from msds.data.sources import sha256_file
 from msds.errors import MsdsError
+from msds.integrity import sha256_file
 from msds.model.roles import tensor_parallel_dim
 
 COMPLETE = "COMPLETE"
@@ -121,7 +121,7 @@ def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
     pipeline layer, for pipelines) are concatenated along the axes megatron-core splits. (ZeRO-3
     keeps no module weights in those files: such runs are exported by the trainer itself, to
     <run_dir>/model.)"""
-    from msds.checkpoint import save_model
+    from msds.model.files import save_model
     from msds.config import ModelConfig, from_dict
 
     ckpt_dir = Path(ckpt_dir)

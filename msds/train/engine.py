@@ -3,87 +3,25 @@ parallel.pipeline > 1), one training step and one evaluation whatever the engine
 access to its fp32 weights and Adam moments whatever the ZeRO stage, under the flat model's names.
 
 DeepSpeed keeps fp32 master weights (and ZeRO partitions of them) that overwrite any in-place edit
-of the module's parameters at the next step (../shared/reference/STACK.md). msds therefore never
+of the module's parameters at the next step (docs/method.md §8.2). msds therefore never
 edits a live engine's weights: a transition reads the full tensors out, builds a fresh model from
 the new tensors and a fresh engine around it.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import deepspeed
-from deepspeed.accelerator import get_accelerator
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
-from msds.config import ConfigError, ModelConfig, RunConfig
+from msds.compat import deepspeed_0_19 as ds_compat
+from msds.plan import Phase, RunPlan
 from msds.distributed import DeepSpeedMPU
 from msds.model.pipeline import PipelineTransformer, named_parameters, pipeline_batch
 from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 
-REPO_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _fill(section: dict, key: str, value, path: str) -> None:
-    """Set an "auto" or absent value; a different explicit value contradicts the msds config."""
-    current = section.get(key, "auto")
-    if current == "auto":
-        section[key] = value
-    elif current != value:
-        raise ConfigError(f"training.ds_config: {path} is {current!r} but the msds config says {value!r}; "
-                          f"set it to \"auto\" in the JSON or change the msds config")
-
-
-def read_ds_template(cfg: RunConfig) -> dict:
-    """The DeepSpeed JSON the run starts from (training.ds_config, else ds_configs/zero<stage>.json)."""
-    default = REPO_DS_CONFIGS / f"zero{cfg.training.zero_stage}.json"
-    path = Path(cfg.training.ds_config) if cfg.training.ds_config else default
-    if not path.is_file():
-        raise ConfigError(f"training.ds_config: {path} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"training.ds_config: {path} is not valid JSON ({exc})") from exc
-
-
-def ds_config(cfg: RunConfig, peak_lr: float) -> dict:
-    """The DeepSpeed config of one engine: the JSON template with msds's values filled in. Its
-    random-LTD section is msds's to implement (msds/train/random_ltd.py), so DeepSpeed does not get it."""
-    ds = read_ds_template(cfg)
-    ds.pop("data_efficiency", None)
-    t, o = cfg.training, cfg.optimizer
-    _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train_micro_batch_size_per_gpu")
-    _fill(ds, "gradient_accumulation_steps", t.grad_accum, "gradient_accumulation_steps")
-    if "train_batch_size" in ds and ds["train_batch_size"] != "auto":
-        global_batch = t.micro_batch_size * t.grad_accum * DeepSpeedMPU.get_data_parallel_world_size()
-        _fill(ds, "train_batch_size", global_batch, "train_batch_size")
-    ds.pop("train_batch_size", None)
-    _fill(ds, "gradient_clipping", o.grad_clip, "gradient_clipping")
-    zero = ds.setdefault("zero_optimization", {})
-    _fill(zero, "stage", t.zero_stage, "zero_optimization.stage")
-    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    if optimizer.get("type", "AdamW").lower() not in ("adamw", "adam"):
-        raise ConfigError(f"training.ds_config: optimizer.type {optimizer['type']!r}; msds trains with "
-                          f"AdamW (its moments are what transitions map)")
-    params = optimizer.setdefault("params", {})
-    # The learning rate is the phase's peak; msds's scheduler scales it every step.
-    params["lr"] = peak_lr
-    _fill(params, "betas", [o.beta1, o.beta2], "optimizer.params.betas")
-    _fill(params, "eps", o.eps, "optimizer.params.eps")
-    _fill(params, "weight_decay", o.weight_decay, "optimizer.params.weight_decay")
-    if t.precision == "fp16" and not get_accelerator().is_fp16_supported():
-        raise ConfigError(f"training.precision: fp16 is not supported by DeepSpeed's "
-                          f"{get_accelerator().device_name()} accelerator; use bf16 or fp32 here")
-    for name in ("bf16", "fp16"):
-        _fill(ds.setdefault(name, {}), "enabled", t.precision == name, f"{name}.enabled")
-    if "scheduler" in ds:
-        raise ConfigError("training.ds_config: remove the \"scheduler\" section; msds schedules the "
-                          "learning rate per V-cycle phase (optimizer.* and multilevel.* in the msds config)")
-    return ds
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -94,21 +32,22 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: RunConfig, model_cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None,
-                 peak_lr: float, lr_lambda):
-    """A fresh model (random init, or `tensors` by flat-model name: this stage's), wrapped in a
-    fresh DeepSpeed engine."""
-    pipelined = cfg.parallel.pipeline > 1
+def build_engine(plan: RunPlan, phase: Phase, tensors: dict[str, torch.Tensor] | None):
+    """A fresh model of `phase`'s level (random init, or `tensors` by flat-model name: this
+    stage's), wrapped in a fresh DeepSpeed engine with the phase's config and learning-rate curve."""
+    model_cfg = plan.model(phase.level)
+    pipelined = plan.layout.pipeline > 1
     model = PipelineTransformer(model_cfg) if pipelined else Transformer(model_cfg)
     if tensors is not None:
         with torch.no_grad():
             for name, p in named_parameters(model):
                 p.copy_(tensors[name])
     # A pipeline brings its own process-group grid (DeepSpeed refuses an mpu then).
+    lr_curve = plan.lr_curves[phase.index]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, cfg.optimizer.weight_decay),
-        config=ds_config(cfg, peak_lr), dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
+        model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
+        config=plan.ds_config(phase), dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_curve))
     return engine
 
 
@@ -211,6 +150,8 @@ def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def optimizer_step_count(engine) -> int:
+    """The optimizer steps taken so far (AdamW's `step` of the first state that has one), 0 before
+    the first step."""
     for state in _base_optimizer(engine).state.values():
         if "step" in state:
             return int(state["step"])
@@ -218,17 +159,15 @@ def optimizer_step_count(engine) -> int:
 
 
 def _base_optimizer(engine):
-    optimizer = engine.optimizer
-    return getattr(optimizer, "optimizer", optimizer)
+    """The torch optimizer holding the Adam state (msds.compat.deepspeed_0_19.base_optimizer)."""
+    return ds_compat.base_optimizer(engine)
 
 
 def _materialise_optimizer_state(engine) -> None:
     """torch's AdamW creates its state at the first step and ZeRO 1/2 link their per-parameter
     views to it only then; a fresh engine that is to receive mapped moments needs both now."""
     base = _base_optimizer(engine)
-    flats = [flat for group in base.param_groups for flat in group["params"]]
-    flats += getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])   # ZeRO-3's sub-groups
-    for flat in flats:
+    for flat in ds_compat.optimizer_state_flats(engine):
         state = base.state[flat]
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
@@ -237,12 +176,9 @@ def _materialise_optimizer_state(engine) -> None:
 
 
 def _link_moments(engine) -> None:
-    """(Re)build ZeRO 1/2's per-parameter views of the optimizer state. DeepSpeed 0.19.8 links them
-    once, right after the *first* parameter group's first step, so parameters of later groups (here:
-    the no-weight-decay group) see no moments until they are linked again."""
-    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    """(Re)build ZeRO 1/2's per-parameter views of the optimizer state, so that every parameter group
+    shows its moments (msds.compat.deepspeed_0_19.relink_hp_optimizer_states: a DeepSpeed 0.19.8 bug)."""
+    ds_compat.relink_hp_optimizer_states(engine)
 
 
 def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
@@ -252,7 +188,7 @@ def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) 
     for name, p in named_parameters(engine.module):
         for key in MOMENTS:
             value = moments[key][name]
-            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            if ds_compat.is_zero_managed(p):
                 safe_set_full_optimizer_state(p, value.to(p.device), key)
             else:
                 base.state[p][key].copy_(value)

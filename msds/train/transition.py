@@ -1,8 +1,10 @@
-"""Level transitions: the one place where a run changes levels.
+"""Level transitions: the one place where a run changes levels. The loop calls `run_transition`
+and logs what it returns.
 
-Down (coalesce): read the engine's full fp32 weights (and Adam moments under the `map` policy) one
-tensor at a time, keep this rank's partition of them in host memory for the interpolation on the
-way back up, coalesce, and build the smaller model and a fresh engine around it.
+Down (coalesce): gather the engine's full fp32 weights (and Adam moments under the `map` policy),
+every tensor of the model at once on every rank, keep this rank's partition of them in host memory
+for the interpolation on the way back up, coalesce, and build the smaller model and a fresh engine
+around it.
 
 Up (de-coalesce + interpolate): read the small model's full weights, de-coalesce them, interpolate
 each rank's partition with the saved large partition, all-gather the result, and build the larger
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
+import resource
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +27,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from msds.multilevel.operators import LevelMap, coalesce, decoalesce, interpolate
-from msds.train.engine import MOMENTS, build_engine, destroy_engine, full_moments, full_weights, \
+from msds.plan import Phase, RunPlan
+from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, full_moments, full_weights, \
     optimizer_step_count, set_moments
 
 
@@ -41,14 +45,6 @@ class SavedLevel:
     def state_dict(self) -> dict:
         return {"level": self.level, "shapes": self.shapes, "weights": self.weights,
                 "moments": self.moments, "val_loss": self.val_loss}
-
-
-@dataclass
-class TransitionRecord:
-    direction: str
-    from_level: int
-    to_level: int
-    seconds: float
 
 
 def _dp_group():
@@ -89,15 +85,48 @@ def _partitions(tensors: dict[str, torch.Tensor], host: bool = False) -> dict[st
     return {name: _partition(t).cpu() if host else _partition(t) for name, t in tensors.items()}
 
 
-def coalesce_engine(engine, run_cfg, level_map: LevelMap, level: int, peak_lr: float, lr_lambda,
-                    map_moments: bool, val_loss: Optional[float]):
-    """Level `level` -> `level + 1`. Returns (new engine, SavedLevel to keep, record)."""
+def resident_memory_mb() -> float:
+    """Current resident set size of this process (Linux), in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def run_transition(engine, plan: RunPlan, current: Phase, following: Phase, saved: list[SavedLevel],
+                   eval_set: list[dict], step: int):
+    """Leave `current` for `following` at global step `step`: evaluate, coalesce (pushing the large
+    level's share onto `saved`) or de-coalesce and interpolate (popping it), evaluate again.
+    Returns the next phase's engine and the `transition` record for the metrics (with its seconds
+    and FLOPs, which the caller adds to the run's counters)."""
+    map_moments = plan.config.multilevel.optimizer_policy == "map"
+    loss_before = evaluate(engine, eval_set)
+    rss_before = resident_memory_mb()
     start = time.perf_counter()
+    if following.level > current.level:
+        engine, kept = _coalesce(engine, plan, current, following, map_moments, loss_before)
+        saved.append(kept)
+        extra = {}
+    else:
+        kept = saved.pop()
+        engine = _decoalesce(engine, plan, following, kept, map_moments)
+        extra = {"loss_before_coalescing": kept.val_loss, "alpha": plan.config.multilevel.alpha}
+    seconds = time.perf_counter() - start
+    return engine, {"step": step, "direction": "down" if following.level > current.level else "up",
+                    "from_level": current.level, "to_level": following.level, "seconds": seconds,
+                    "flops": plan.transition_flops(current.level, following.level),
+                    "loss_before": loss_before, "loss_after": evaluate(engine, eval_set),
+                    "rss_mb_before": rss_before, "rss_mb_after": resident_memory_mb(), **extra}
+
+
+def _coalesce(engine, plan: RunPlan, current: Phase, following: Phase, map_moments: bool,
+              val_loss: float):
+    """Level `current.level` -> `following.level` (one coarser). Returns the new engine and this
+    rank's share of the large level, kept for the way back up."""
+    level_map = plan.level_maps[current.level - 1]
     weights = full_weights(engine)
     moments = full_moments(engine) if map_moments else None
     step = optimizer_step_count(engine)
     # Kept in host memory until the way back up: each rank only its 1/dp share.
-    saved = SavedLevel(level=level, shapes={n: tuple(t.shape) for n, t in weights.items()},
+    saved = SavedLevel(level=current.level, shapes={n: tuple(t.shape) for n, t in weights.items()},
                        weights=_partitions(weights, host=True), val_loss=val_loss,
                        moments={k: _partitions(v, host=True) for k, v in moments.items()} if moments else None)
     local_map = _local(level_map)
@@ -107,17 +136,16 @@ def coalesce_engine(engine, run_cfg, level_map: LevelMap, level: int, peak_lr: f
     destroy_engine(engine)
     del engine
     gc.collect()
-    new_engine = build_engine(run_cfg, level_map.small, small, peak_lr, lr_lambda)
+    new_engine = build_engine(plan, following, small)
     if small_moments is not None:
         set_moments(new_engine, small_moments, step)
-    record = TransitionRecord("down", level, level + 1, time.perf_counter() - start)
-    return new_engine, saved, record
+    return new_engine, saved
 
 
-def decoalesce_engine(engine, run_cfg, level_map: LevelMap, saved: SavedLevel, alpha: float,
-                      peak_lr: float, lr_lambda, map_moments: bool):
+def _decoalesce(engine, plan: RunPlan, following: Phase, saved: SavedLevel, map_moments: bool):
     """Level `saved.level + 1` -> `saved.level`, interpolating with the saved large state."""
-    start = time.perf_counter()
+    level_map = plan.level_maps[saved.level - 1]
+    alpha = plan.config.multilevel.alpha
     small = full_weights(engine)
     small_moments = full_moments(engine) if map_moments else None
     step = optimizer_step_count(engine)
@@ -138,8 +166,7 @@ def decoalesce_engine(engine, run_cfg, level_map: LevelMap, saved: SavedLevel, a
             raise RuntimeError("map policy: the saved level has no moments to interpolate with")
         moments = {k: upsample(small_moments[k], saved.moments[k], k) for k in MOMENTS}
     del small, small_moments
-    new_engine = build_engine(run_cfg, level_map.large, weights, peak_lr, lr_lambda)
+    new_engine = build_engine(plan, following, weights)
     if moments is not None:
         set_moments(new_engine, moments, step)
-    record = TransitionRecord("up", saved.level + 1, saved.level, time.perf_counter() - start)
-    return new_engine, record
+    return new_engine

@@ -1,14 +1,13 @@
-"""Random-LTD (random and layerwise token dropping, Yao et al. 2022), configured by DeepSpeed's own
-keys `data_efficiency.data_routing.random_ltd` in the ds_config, implemented here with PyTorch
-gather/scatter so that it runs on CPU and GPU alike and composes with the V-cycle.
+"""Random-LTD (random and layerwise token dropping, Yao et al. 2022) as DeepSpeed configures it:
+the keys `data_efficiency.data_routing.random_ltd` of the ds_config, read here once, into a schedule.
 
 Every routed layer processes a random sorted subset of `r` of the S tokens of each sample; the
 others pass it unchanged (msds/model/transformer.py does the gather / scatter). `r` follows the MSLG
 schedule (`fixed_linear`: from `min_value` to `max_value` over `require_steps`, in multiples of
 `seq_per_step`) on the global step, so it continues across level transitions. The routed layers are
-every layer but the first and the last, re-derived at each level of a V-cycle (1 .. L_k - 2).
-DeepSpeed's own implementation (CUDA ops) is not used: msds removes the section from the config it
-hands to DeepSpeed.
+every layer but the first and the last (msds.model.roles.routes_tokens), re-derived at each level.
+DeepSpeed's own implementation (CUDA ops) is not used: the plan removes the section from the config
+it hands to DeepSpeed.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from msds.config import ConfigError, ModelConfig
-from msds.model.transformer import routes_tokens
+from msds.model.roles import routes_tokens
 
 SCHEDULE_TYPES = ("fixed_linear",)
 PATH = "training.ds_config: data_efficiency.data_routing.random_ltd"
@@ -46,20 +45,16 @@ class RandomLTD:
         return samples * (self.keep_tokens(step) * routed + self.max_value * (model.num_layers - routed))
 
 
-def parse(ds: dict, model: ModelConfig, seq_len: int) -> RandomLTD | None:
-    """The random-LTD settings of a ds_config (None when absent or disabled), validated against the
-    level-1 model and sequence length. Pops the section so that DeepSpeed does not see it."""
-    efficiency = ds.pop("data_efficiency", None) or {}
+def parse(efficiency: dict, model: ModelConfig, seq_len: int) -> RandomLTD | None:
+    """The random-LTD settings of a ds_config's `data_efficiency` section (None when absent or
+    disabled), validated against the level-1 model and sequence length."""
     routing = (efficiency.get("data_routing") or {}).get("random_ltd") or {}
     if not (efficiency.get("enabled", False) and routing.get("enabled", False)):
         return None
     total = routing.get("total_layer_num", model.num_layers)
     if total != model.num_layers:
         raise ConfigError(f"{PATH}.total_layer_num: {total}, but model.num_layers is {model.num_layers}")
-    for layer in routing.get("random_ltd_layer_id", []):
-        if not 0 <= layer < model.num_layers:
-            raise ConfigError(f"{PATH}.random_ltd_layer_id: layer {layer} is outside the model "
-                              f"(layers 0..{model.num_layers - 1}); routed layers are 1..L-2")
+    _check_routed_layers(routing, model)
     if routing.get("model_type", "decoder" if model.arch == "gpt" else "encoder") != \
             ("decoder" if model.arch == "gpt" else "encoder"):
         raise ConfigError(f"{PATH}.model_type: {routing['model_type']!r} does not match model.arch {model.arch!r}")
@@ -84,3 +79,18 @@ def parse(ds: dict, model: ModelConfig, seq_len: int) -> RandomLTD | None:
         raise ConfigError(f"{PATH}.random_ltd_schedule: need min_value <= max_value and positive "
                           f"require_steps and seq_per_step")
     return result
+
+
+def _check_routed_layers(routing: dict, model: ModelConfig) -> None:
+    """msds routes every layer but the first and the last; a config asking for another set is
+    refused rather than silently ignored."""
+    default = list(RandomLTD.routed_layers(model.num_layers))
+    layer_ids = routing.get("random_ltd_layer_id", default)
+    if list(layer_ids) != default:
+        raise ConfigError(f"{PATH}.random_ltd_layer_id: {layer_ids} is not supported; msds routes layers "
+                          f"1..L-2 ({default} for model.num_layers={model.num_layers}): remove the key or "
+                          f"set it to that list")
+    layer_num = routing.get("random_ltd_layer_num", len(default))
+    if layer_num != len(default):
+        raise ConfigError(f"{PATH}.random_ltd_layer_num: {layer_num} is not supported; msds routes "
+                          f"{len(default)} layers (1..L-2): remove the key or set it to {len(default)}")

@@ -1,12 +1,12 @@
-"""msds model checkpoints (weights only) and atomic directory writes.
+"""Model files: an msds model checkpoint (weights only, no training state) and atomic directory writes.
 
 Layout of a model checkpoint directory (docs/checkpoints.md):
     config.yaml          the ModelConfig of these weights
     model.safetensors    every parameter in msds names, full (TP=1) shapes, as trained (fp32)
     multilevel.json      optional: the LevelMap that produced these weights by coalescing
 
-Training checkpoints (DeepSpeed engine state plus msds state) are written by the trainer and hold one
-of these as their model export.
+Training checkpoints (DeepSpeed engine state plus msds state) are msds/train/checkpointing.py's; the
+trainer exports its model through this module.
 """
 from __future__ import annotations
 

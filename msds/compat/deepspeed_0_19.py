@@ -1,0 +1,118 @@
+"""DeepSpeed 0.19.8: the patches msds applies to it and the private attributes msds reads.
+
+- pipelines: the process groups a PipelineModule builds (reused across engines), its grid's rank
+  lists and the range of layer specs this stage holds;
+- ZeRO optimizers: the torch optimizer inside DeepSpeed's wrapper, the flat tensors its state is
+  keyed by, and re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import deepspeed.comm as ds_comm
+import torch
+import torch.distributed as dist
+
+# Process groups of the pipeline layouts built so far, by (world group, rank set).
+_GROUPS: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def reused_process_groups():
+    """Within it, `deepspeed.comm.new_group` returns the group built earlier for the same ranks
+    (of the same world group) instead of a new one.
+
+    Why: every engine of a run (one per V-cycle phase) builds a PipelineModule with the same layout,
+    and DeepSpeed's PipelineParallelGrid opens a new set of communicators for each (NCCL ones hold
+    GPU memory) that nothing closes. Remove when DeepSpeed reuses or frees them itself:
+    tests/test_compat.py::test_pipeline_grids_share_groups_only_with_reuse shows whether two
+    PipelineModules still get different groups without it."""
+    create = ds_comm.new_group
+
+    def new_group(ranks):
+        key = (id(dist.group.WORLD), tuple(sorted(ranks)))
+        if key not in _GROUPS:
+            _GROUPS[key] = create(ranks=ranks)
+        return _GROUPS[key]
+
+    ds_comm.new_group = new_group
+    try:
+        yield
+    finally:
+        ds_comm.new_group = create
+
+
+def reused_group_count() -> int:
+    """How many process groups reused_process_groups() holds: constant across a run's engines when
+    the reuse works (tests/dist/train_checks.py checks it over pipeline runs)."""
+    return len(_GROUPS)
+
+
+def pipeline_group_ranks(module) -> tuple[list[int], list[int]]:
+    """The global ranks of this process's data-parallel and pipeline groups, as the
+    PipelineModule's grid (private `_grid`) built them.
+
+    Why: msds checks that DeepSpeed's pipeline topology and megatron-core's parallel state agree.
+    Replace when DeepSpeed exposes the rank lists; tests/test_compat.py::
+    test_pipeline_accessors_read_a_real_pipeline_module fails when the attributes move."""
+    return module._grid.dp_group, module._grid.pp_group
+
+
+def local_layer_indices(module) -> range:
+    """Indices of the layer specs this pipeline stage holds (private `_local_start` / `_local_stop`).
+
+    Why: msds names each stage's parameters after the flat model and checks how many blocks a stage
+    holds. Replace when DeepSpeed exposes the bounds; tests/test_compat.py::
+    test_pipeline_accessors_read_a_real_pipeline_module fails when the attributes move."""
+    return range(module._local_start, module._local_stop)
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer that holds the Adam state: the one inside DeepSpeed's ZeRO / mixed
+    precision wrapper (its `optimizer` attribute), or the engine's optimizer itself (ZeRO-0, fp32).
+
+    Why: transitions read and write the moments and step counts there. tests/test_compat.py::
+    test_zero1_links_later_groups_moments_only_with_the_relink uses it on a real ZeRO-1 engine."""
+    optimizer = engine.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def optimizer_state_flats(engine) -> list[torch.Tensor]:
+    """The fp32 tensors the base optimizer keys its state by: the params of its param groups, plus
+    ZeRO-3's partitioned flat sub-groups (private `fp32_partitioned_groups_flat`), which ZeRO-3 puts
+    into the param groups only while it steps them.
+
+    Why: a fresh engine that is to receive mapped moments needs AdamW's state created before its
+    first step (msds.train.engine). tests/test_compat.py::
+    test_optimizer_state_flats_are_what_adamw_keeps_state_for checks them on a real ZeRO-1 engine."""
+    base = base_optimizer(engine)
+    flats = [flat for group in base.param_groups for flat in group["params"]]
+    return flats + list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+
+
+def relink_hp_optimizer_states(engine) -> None:
+    """(Re)build ZeRO-1/2's per-parameter views of the optimizer state (what
+    `deepspeed.utils.safe_get_full_optimizer_state` reads); nothing for other ZeRO stages.
+
+    Why: DeepSpeed 0.19.8 links them once, right after the *first* parameter group's first step
+    (`_optimizer_step` -> `_lazy_init_hp_params_optimizer_state`, then `_hp_optimizer_states_linked`
+    stays True), when later groups' state is still empty: parameters of later groups (msds's
+    no-weight-decay group) then have no moments to read (safe_get_full_optimizer_state raises
+    "exp_avg not found in optimizer state fragment"). Clearing the flag and calling it again links
+    every group. Remove when tests/test_compat.py::
+    test_zero1_links_later_groups_moments_only_with_the_relink finds the second group's moments
+    without it."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def is_zero_managed(param) -> bool:
+    """Whether DeepSpeed's ZeRO owns this parameter's optimizer state: ZeRO-3 tags parameters with
+    `ds_id`, ZeRO-1/2 attach the private `_hp_mapping` (the link to their fp32 fragment).
+
+    Why: such a parameter's moments are written through `safe_set_full_optimizer_state`; the
+    others (ZeRO-0 in fp32) directly in the torch optimizer's state. Replace when DeepSpeed offers a
+    public test; tests/test_compat.py::test_zero_managed_parameters fails when the tags move."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")

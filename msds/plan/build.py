@@ -1,0 +1,454 @@
+"""The run plan: every cross-field check and every derived value of a run, decided once.
+
+`build_plan(cfg, world_size)` turns a parsed RunConfig (msds.config: field types only) and the
+process count into an immutable `RunPlan`: the parallel layout, the model of every level and the
+level maps between them, the phases, each phase's learning-rate curve, the random-LTD schedule,
+FLOPs per step and the DeepSpeed config of each phase. Trainer, engine and transitions only read
+it; `msds plan` prints it. Errors are `ConfigError`s that start with the dotted field path and say
+how to fix it. `check_environment` adds what depends on this machine (the prepared data, the
+accelerator's precisions): `msds train` runs both, `msds plan` reports the second as notes.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from msds.config import ConfigError, ModelConfig, RunConfig
+from msds.model.roles import expected_shapes
+from msds.multilevel.operators import LevelMap, check_alpha, plan_level
+from msds.plan import random_ltd as random_ltd_config
+from msds.plan.random_ltd import RandomLTD
+from msds.plan.schedule import LayerTokenCurve, Phase, PhaseCurve, RunCurve, flops_per_sample
+from msds.resources import ds_template
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the processes split: tensor x pipeline x data = world size."""
+
+    world_size: int
+    tensor: int
+    pipeline: int
+
+    @property
+    def data(self) -> int:
+        return self.world_size // (self.tensor * self.pipeline)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: RunConfig
+    layout: Layout
+    levels: tuple[ModelConfig, ...]          # levels[k - 1] is level k; level 1 is the full model
+    level_maps: tuple[LevelMap, ...]         # level_maps[k - 1] turns level k into level k + 1
+    phases: tuple[Phase, ...]
+    lr_curves: tuple[Callable[[int], float], ...]   # per phase: step in phase -> multiplier of peak_lr
+    random_ltd: Optional[RandomLTD]
+    ds_template: str                         # the DeepSpeed JSON, random-LTD section removed
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def total_steps(self) -> int:
+        return self.phases[-1].end_step
+
+    @property
+    def samples_per_step(self) -> int:
+        t = self.config.training
+        return t.micro_batch_size * t.grad_accum * self.layout.data
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.samples_per_step * self.config.data.seq_len
+
+    @property
+    def multilevel(self) -> bool:
+        return len(self.phases) > 1
+
+    def model(self, level: int) -> ModelConfig:
+        return self.levels[level - 1]
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase that runs global step `step` (the last phase for the end of the run)."""
+        return next((p for p in self.phases if step < p.end_step), self.phases[-1])
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def keep_tokens(self, step: int) -> Optional[int]:
+        """Tokens each routed layer keeps at `step` (None: random-LTD off)."""
+        return self.random_ltd.keep_tokens(step) if self.random_ltd else None
+
+    def flops_per_step(self, level: int, step: int) -> float:
+        return flops_per_sample(self.model(level), self.config.data.seq_len, self.keep_tokens(step)) \
+            * self.samples_per_step
+
+    def steps_flops(self, level: int, start: int, end: int) -> float:
+        """FLOPs of steps start..end-1 at `level` (constant per step unless random-LTD varies it)."""
+        if self.random_ltd is None:
+            return (end - start) * self.flops_per_step(level, start)
+        return sum(self.flops_per_step(level, s) for s in range(start, end))
+
+    def phase_flops(self, phase: Phase) -> float:
+        return self.steps_flops(phase.level, phase.start_step, phase.end_step)
+
+    def transition_flops(self, from_level: int, to_level: int) -> float:
+        """A transition costs about ten elementwise passes over the parameters and moments of the
+        larger model on every data-parallel replica: negligible next to a step, but counted."""
+        larger = self.model(min(from_level, to_level))
+        return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * self.layout.data
+
+    def total_flops(self) -> float:
+        steps = sum(self.phase_flops(p) for p in self.phases)
+        moves = sum(self.transition_flops(a.level, b.level) for a, b in zip(self.phases, self.phases[1:]))
+        return steps + moves
+
+    def baseline_flops(self) -> float:
+        """The same number of steps at level 1 (the run without multi-level training)."""
+        return self.steps_flops(1, 0, self.total_steps)
+
+    # -- DeepSpeed --------------------------------------------------------------------------
+
+    def ds_config(self, phase: Phase) -> dict:
+        """A fresh DeepSpeed config for the engine of `phase` (the optimizer's lr is its peak; the
+        plan's curve scales it every step)."""
+        ds = json.loads(self.ds_template)
+        ds["optimizer"]["params"]["lr"] = phase.peak_lr
+        return ds
+
+
+# --------------------------------------------------------------------------------------------
+# Building and checking
+# --------------------------------------------------------------------------------------------
+
+def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
+    """Check `cfg` for `world_size` processes and derive the whole run. The plan keeps a copy of the
+    config as run (`training.steps` filled in from the phases); the caller's object is not changed."""
+    cfg = copy.deepcopy(cfg)
+    _check_fields(cfg)
+    _check_parallel_options(cfg)
+    maps = _level_maps(cfg)          # every level fits the parallel sizes, before the world size is asked
+    layout = _layout(cfg, world_size)
+    levels = (cfg.model,) + tuple(m.small for m in maps)
+    template = _read_ds_template(cfg)
+    ltd = random_ltd_config.parse(template.pop("data_efficiency", None) or {}, cfg.model, cfg.data.seq_len)
+    _check_schedule(cfg, ltd)
+    if cfg.multilevel.enabled and cfg.multilevel.budget_steps:
+        # The copy as run names its phases: the run directory's config.yaml shows what was derived.
+        cfg.multilevel.phase_steps = _budget_phase_steps(cfg, levels, ltd, layout)
+    _check_phases(cfg)
+    phases = _phases(cfg)
+    cfg.training.steps = phases[-1].end_step     # the copy as run: a V-cycle's length is its phases'
+    ds = _fill_ds_config(template, cfg, layout)
+    plan = RunPlan(config=cfg, layout=layout, levels=levels, level_maps=tuple(maps), phases=tuple(phases),
+                   lr_curves=(), random_ltd=ltd, ds_template=json.dumps(ds))
+    return dataclasses.replace(plan, lr_curves=tuple(_lr_curve(plan, phase) for phase in phases))
+
+
+def check_environment(plan: RunPlan) -> None:
+    """What `msds train` also needs of this machine: the prepared data (its vocabulary fits the
+    model) and an accelerator that supports the precision."""
+    from msds.data import load_tokenizer_info
+
+    cfg = plan.config
+    info = load_tokenizer_info(cfg.data.path)
+    if info.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({info.vocab_size}) of {cfg.data.path}; set model.vocab_size="
+                          f"{info.vocab_size} or more")
+    if cfg.training.precision == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"training.precision: fp16 is not supported by DeepSpeed's "
+                              f"{get_accelerator().device_name()} accelerator; use bf16 or fp32 here")
+
+
+def _check_fields(cfg: RunConfig) -> None:
+    cfg.model.validate("model")
+    positive = {"data.seq_len": cfg.data.seq_len, "training.micro_batch_size": cfg.training.micro_batch_size,
+                "training.grad_accum": cfg.training.grad_accum, "logging.interval": cfg.logging.interval,
+                "logging.eval_interval": cfg.logging.eval_interval,
+                "logging.eval_batches": cfg.logging.eval_batches, "multilevel.cycles": cfg.multilevel.cycles,
+                "checkpoint.keep": cfg.checkpoint.keep, "parallel.tensor": cfg.parallel.tensor,
+                "parallel.pipeline": cfg.parallel.pipeline, "optimizer.lr": cfg.optimizer.lr}
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name}: must be positive, got {value}")
+    if cfg.data.seq_len > cfg.model.max_positions:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_positions {cfg.model.max_positions}")
+    if cfg.model.nsp_head:
+        raise ConfigError("model.nsp_head: no loss trains the next-sentence head (the BERT samples have no "
+                          "sentence pairs), so its parameters would never learn; set model.nsp_head=false")
+    if cfg.training.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {cfg.training.zero_stage}")
+    name = cfg.training.exit_signal
+    if name and not (name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)):
+        raise ConfigError(f"training.exit_signal: {name!r} is not a signal name (e.g. SIGUSR1, SIGTERM); "
+                          f"empty turns it off")
+
+
+def _check_parallel_options(cfg: RunConfig) -> None:
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if pp > 1 and cfg.training.zero_stage != 1:
+        why = ("DeepSpeed pipelines do not support ZeRO 2 or 3" if cfg.training.zero_stage > 1 else
+               "DeepSpeed 0.19.8's ZeRO-0 pipeline path clips gradients by a norm that leaves out the "
+               "later stages' replicated parameters (LayerNorms, biases), so it would not train like the "
+               "same run without a pipeline")
+        raise ConfigError(f"training.zero_stage: {cfg.training.zero_stage} with parallel.pipeline={pp}: {why}; "
+                          f"pipelines run with training.zero_stage=1")
+    ml = cfg.multilevel
+    if ml.enabled and ml.shards and ml.shards % tp:
+        raise ConfigError(f"multilevel.shards: {ml.shards} is not a multiple of parallel.tensor {tp}; each "
+                          f"tensor-parallel shard must hold whole groups")
+
+
+def _layout(cfg: RunConfig, world_size: int) -> Layout:
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if world_size <= 0 or world_size % (tp * pp):
+        raise ConfigError(f"parallel: tensor ({tp}) x pipeline ({pp}) parallel sizes must divide the number of "
+                          f"processes, {world_size}; launch a multiple of {tp * pp} processes or change "
+                          f"parallel.tensor / parallel.pipeline")
+    return Layout(world_size, tp, pp)
+
+
+def _check_divisible(model: ModelConfig, tp: int, pp: int, where: str) -> None:
+    for name in ("num_heads", "ffn_size", "vocab_size"):
+        if getattr(model, name) % tp:
+            raise ConfigError(f"parallel.tensor: {tp} does not divide {name} {getattr(model, name)} of the "
+                              f"{where} model; choose a tensor-parallel size that divides it at every level")
+    if model.num_layers % pp:
+        raise ConfigError(f"parallel.pipeline: {pp} stages cannot share the {model.num_layers} layers of the "
+                          f"{where} model equally; choose a pipeline size that divides the layers at every level")
+
+
+def _level_maps(cfg: RunConfig) -> list[LevelMap]:
+    """maps[k] turns level k+1 into level k+2. With tensor parallelism, heads and FFN are grouped
+    inside each rank's shard, so that a transition needs no communication along the tensor-parallel
+    axis; a grouping that fits every shard also leaves every smaller level divisible by the
+    tensor-parallel size. With pipeline parallelism, layers are grouped inside each stage, and every
+    level must keep at least one layer per stage."""
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    _check_divisible(cfg.model, tp, pp, "level-1")
+    if not cfg.multilevel.enabled:
+        return []
+    shards = cfg.multilevel.shards or tp
+    maps, large = [], cfg.model
+    if not cfg.multilevel.levels:
+        raise ConfigError("multilevel.levels: at least one coarser level is needed")
+    for i, level in enumerate(cfg.multilevel.levels):
+        path = f"multilevel.levels[{i}]"
+        if level.lr < 0:
+            raise ConfigError(f"{path}.lr: must be positive (or 0 for the default), got {level.lr}")
+        small_layers, rest = divmod(large.num_layers, level.layers)
+        if pp > 1 and not rest and small_layers % pp:
+            raise ConfigError(f"{path}.layers: level {i + 2} would have {small_layers} layer(s), which the "
+                              f"parallel.pipeline={pp} stages cannot share equally (each stage keeps whole groups "
+                              f"of layers at every level); use a smaller layers factor or fewer pipeline stages")
+        try:
+            level_map = plan_level(large, hidden=level.hidden, heads=level.heads, ffn=level.ffn,
+                                   layers=level.layers, layout=level.layout, depth_layout=level.depth_layout,
+                                   shards={"heads": shards, "ffn": shards, "layers": pp}, path=path)
+        except ConfigError as exc:
+            if shards == 1:
+                raise
+            raise ConfigError(f"{exc} (heads and FFN are grouped inside each of the {shards} shards of "
+                              f"parallel.tensor={tp} / multilevel.shards)") from exc
+        maps.append(level_map)
+        large = level_map.small
+    return maps
+
+
+def _check_schedule(cfg: RunConfig, ltd: Optional[RandomLTD]) -> None:
+    ml = cfg.multilevel
+    if not ml.enabled:
+        if cfg.training.steps <= 0:
+            raise ConfigError(f"training.steps: must be positive, got {cfg.training.steps}")
+        return
+    check_alpha(ml.alpha, "multilevel.alpha")
+    if ml.phase_warmup_steps < 0:
+        raise ConfigError(f"multilevel.phase_warmup_steps: must be 0 or more, got {ml.phase_warmup_steps}")
+    if ltd is not None and ltd.layer_token_lr and ml.lr_schedule == "run":
+        raise ConfigError("multilevel.lr_schedule: `run` does not apply random-LTD's layer_token_lr_schedule "
+                          "yet; use lr_schedule: phase, or disable layer_token_lr_schedule in training.ds_config")
+    if ml.budget_steps < 0:
+        raise ConfigError(f"multilevel.budget_steps: must be 0 or more, got {ml.budget_steps}")
+    if ml.budget_steps and ml.phase_steps:
+        raise ConfigError("multilevel.phase_steps: give either phase_steps or budget_steps (with phase_fractions), "
+                          "not both")
+    if ml.phase_fractions and not ml.budget_steps:
+        raise ConfigError("multilevel.phase_fractions: only used with multilevel.budget_steps; set budget_steps "
+                          "or give phase_steps instead")
+
+
+def _check_phases(cfg: RunConfig) -> None:
+    ml = cfg.multilevel
+    if not ml.enabled:
+        return
+    phases = 2 * len(ml.levels) * ml.cycles + 1
+    if len(ml.phase_steps) != phases:
+        raise ConfigError(f"multilevel.phase_steps: {len(ml.levels) + 1} levels and {ml.cycles} cycle(s) need "
+                          f"{phases} phases (down, bottom, up), got {len(ml.phase_steps)}")
+    for i, steps in enumerate(ml.phase_steps):
+        if steps <= 0:
+            raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {steps}")
+    if cfg.training.steps not in (0, sum(ml.phase_steps), ml.budget_steps):   # a converted baseline keeps its steps
+        raise ConfigError(f"training.steps: {cfg.training.steps} differs from the sum of multilevel.phase_steps "
+                          f"({sum(ml.phase_steps)}); set it to 0 or to that sum")
+
+
+# Phase lengths as fractions of the baseline's budget, for one cycle of two levels: coalesce after
+# 20% of it, 40% at half width and depth (docs/method.md §7).
+DEFAULT_PHASE_FRACTIONS = (0.2, 0.4)
+
+
+def _budget_phase_steps(cfg: RunConfig, levels: tuple[ModelConfig, ...], ltd: Optional[RandomLTD],
+                        layout: Layout) -> list[int]:
+    """Phase lengths from multilevel.budget_steps: the fractions for every phase but the last, and
+    the last (level-1) phase as long as the budget's FLOPs allow."""
+    ml = cfg.multilevel
+    budget = ml.budget_steps
+    count = 2 * len(ml.levels) * ml.cycles + 1
+    fractions = list(ml.phase_fractions) or (list(DEFAULT_PHASE_FRACTIONS) if count == 3 else [])
+    if len(fractions) != count - 1:
+        raise ConfigError(f"multilevel.phase_fractions: {len(ml.levels) + 1} levels and {ml.cycles} cycle(s) have "
+                          f"{count} phases; give the first {count - 1} as fractions of budget_steps (the default "
+                          f"{list(DEFAULT_PHASE_FRACTIONS)} is for one cycle of two levels)")
+    for i, f in enumerate(fractions):
+        if not 0 < f < 1:
+            raise ConfigError(f"multilevel.phase_fractions[{i}]: must be in (0, 1), got {f}")
+    samples = cfg.training.micro_batch_size * cfg.training.grad_accum * layout.data
+    depth = len(ml.levels) + 1
+    order = [1] + (list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))) * ml.cycles
+
+    def step_flops(level: int, step: int) -> float:
+        keep = ltd.keep_tokens(step) if ltd else None
+        return flops_per_sample(levels[level - 1], cfg.data.seq_len, keep) * samples
+
+    def transition_flops(a: int, b: int) -> float:
+        larger = levels[min(a, b) - 1]
+        return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * layout.data
+
+    steps = [max(1, round(f * budget)) for f in fractions]
+    spent, step = 0.0, 0
+    for level, n in zip(order, steps):
+        spent += sum(step_flops(level, s) for s in range(step, step + n))
+        step += n
+    spent += sum(transition_flops(a, b) for a, b in zip(order, order[1:]))
+    allowed = budget * step_flops(1, 0) if ltd is None else sum(step_flops(1, s) for s in range(budget))
+    if ltd is None:                      # constant cost per step: no need to walk the steps
+        last = int((allowed - spent) // step_flops(1, 0))
+    else:
+        last = 0
+        while spent + step_flops(1, step + last) <= allowed:
+            spent += step_flops(1, step + last)
+            last += 1
+    if last <= 0:
+        raise ConfigError(f"multilevel.phase_fractions: the first {count - 1} phases already spend the FLOPs of "
+                          f"budget_steps={budget} full-size steps; shorten them so the last phase has steps left")
+    return steps + [last]
+
+
+def peak_lr(cfg: RunConfig, level: int) -> float:
+    """The level's own `lr`, else optimizer.lr times the product of hidden and layer factors down to
+    it (smaller models take a larger learning rate: 4x for half width and half depth, the paper's)."""
+    if level == 1:
+        return cfg.optimizer.lr
+    spec = cfg.multilevel.levels[level - 2]
+    if spec.lr > 0:
+        return spec.lr
+    scale = 1
+    for down in cfg.multilevel.levels[:level - 1]:
+        scale *= down.hidden * down.layers
+    return cfg.optimizer.lr * scale
+
+
+def _phases(cfg: RunConfig) -> list[Phase]:
+    """Level 1, then for each cycle down to the coarsest level and back up; the baseline is one
+    level-1 phase."""
+    if not cfg.multilevel.enabled:
+        return [Phase(0, 1, cfg.training.steps, 0, cfg.optimizer.lr, min(cfg.optimizer.warmup_steps,
+                                                                         cfg.training.steps))]
+    depth = len(cfg.multilevel.levels) + 1
+    cycle = list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))
+    levels = [1] + cycle * cfg.multilevel.cycles
+    phases, step = [], 0
+    for index, (level, steps) in enumerate(zip(levels, cfg.multilevel.phase_steps)):
+        warmup = cfg.optimizer.warmup_steps if index == 0 else cfg.multilevel.phase_warmup_steps
+        phases.append(Phase(index, level, steps, step, peak_lr(cfg, level), min(warmup, steps)))
+        step += steps
+    return phases
+
+
+def _lr_curve(plan: RunPlan, phase: Phase) -> Callable[[int], float]:
+    cfg = plan.config
+    min_ratio = cfg.optimizer.min_lr_ratio
+    if cfg.multilevel.enabled and cfg.multilevel.lr_schedule == "run":
+        whole_run = Phase(0, 1, plan.total_steps, 0, cfg.optimizer.lr,
+                          min(cfg.optimizer.warmup_steps, plan.total_steps))
+        return RunCurve(phase, whole_run, min_ratio)
+    if not (plan.random_ltd and plan.random_ltd.layer_token_lr):
+        return PhaseCurve(phase, min_ratio)
+    model = plan.model(phase.level)
+    consumed = [0.0]
+    for step in range(phase.start_step, phase.end_step):
+        consumed.append(consumed[-1] + plan.random_ltd.layer_tokens(step, model, plan.samples_per_step))
+    return LayerTokenCurve(phase, min_ratio, tuple(consumed))
+
+
+def _read_ds_template(cfg: RunConfig) -> dict:
+    """The DeepSpeed JSON the run starts from (training.ds_config, else the packaged
+    ds_configs/zero<stage>.json)."""
+    path = Path(cfg.training.ds_config) if cfg.training.ds_config else ds_template(cfg.training.zero_stage)
+    if not path.is_file():
+        raise ConfigError(f"training.ds_config: {path} does not exist")
+    try:
+        template = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"training.ds_config: {path} is not valid JSON ({exc})") from exc
+    if not isinstance(template, dict):
+        raise ConfigError(f"training.ds_config: {path} must hold a JSON object")
+    return template
+
+
+def _fill(section: dict, key: str, value, path: str) -> None:
+    """Set an "auto" or absent value; a different explicit value contradicts the msds config."""
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value:
+        raise ConfigError(f"training.ds_config: {path} is {current!r} but the msds config says {value!r}; "
+                          f"set it to \"auto\" in the JSON or change the msds config")
+
+
+def _fill_ds_config(ds: dict, cfg: RunConfig, layout: Layout) -> dict:
+    """The JSON template with msds's values filled in (the optimizer's lr is set per phase)."""
+    t, o = cfg.training, cfg.optimizer
+    _fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train_micro_batch_size_per_gpu")
+    _fill(ds, "gradient_accumulation_steps", t.grad_accum, "gradient_accumulation_steps")
+    if "train_batch_size" in ds and ds["train_batch_size"] != "auto":
+        _fill(ds, "train_batch_size", t.micro_batch_size * t.grad_accum * layout.data, "train_batch_size")
+    ds.pop("train_batch_size", None)
+    _fill(ds, "gradient_clipping", o.grad_clip, "gradient_clipping")
+    zero = ds.setdefault("zero_optimization", {})
+    _fill(zero, "stage", t.zero_stage, "zero_optimization.stage")
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if optimizer.get("type", "AdamW").lower() not in ("adamw", "adam"):
+        raise ConfigError(f"training.ds_config: optimizer.type {optimizer['type']!r}; msds trains with "
+                          f"AdamW (its moments are what transitions map)")
+    params = optimizer.setdefault("params", {})
+    params["lr"] = o.lr
+    _fill(params, "betas", [o.beta1, o.beta2], "optimizer.params.betas")
+    _fill(params, "eps", o.eps, "optimizer.params.eps")
+    _fill(params, "weight_decay", o.weight_decay, "optimizer.params.weight_decay")
+    for name in ("bf16", "fp16"):
+        _fill(ds.setdefault(name, {}), "enabled", t.precision == name, f"{name}.enabled")
+    if "scheduler" in ds:
+        raise ConfigError("training.ds_config: remove the \"scheduler\" section; msds schedules the "
+                          "learning rate per V-cycle phase (optimizer.* and multilevel.* in the msds config)")
+    return ds

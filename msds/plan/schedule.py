@@ -1,0 +1,95 @@
+"""The V-cycle's time axis: phases, the learning-rate curve within a phase, FLOPs per sample.
+
+Pure functions and frozen records; `msds.plan.build` decides their values from the config.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from msds.config import ModelConfig
+from msds.model.roles import routes_tokens
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of the run spent at one level. Global steps `start_step` (inclusive) to
+    `end_step` (exclusive)."""
+
+    index: int
+    level: int          # 1 = the full-size model
+    steps: int
+    start_step: int
+    peak_lr: float
+    warmup_steps: int
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.steps
+
+
+def lr_multiplier(phase: Phase, step_in_phase: float, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay from 1 to `min_ratio` over the rest of the phase."""
+    if step_in_phase < phase.warmup_steps:
+        return (step_in_phase + 1) / phase.warmup_steps
+    span = max(1, phase.steps - phase.warmup_steps)
+    progress = min(1.0, (step_in_phase - phase.warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class PhaseCurve:
+    """`lr_schedule: phase`: the phase's own warmup and cosine."""
+
+    phase: Phase
+    min_ratio: float
+
+    def __call__(self, step_in_phase: int) -> float:
+        return lr_multiplier(self.phase, step_in_phase, self.min_ratio)
+
+
+@dataclass(frozen=True)
+class RunCurve:
+    """`lr_schedule: run`: one cosine over the whole run (`whole_run`, the baseline's schedule);
+    every phase after the first re-warms up to that curve over its own warmup steps."""
+
+    phase: Phase
+    whole_run: Phase
+    min_ratio: float
+
+    def __call__(self, step_in_phase: int) -> float:
+        rewarm = 1.0 if self.phase.index == 0 else min(1.0, (step_in_phase + 1) / max(1, self.phase.warmup_steps))
+        return rewarm * lr_multiplier(self.whole_run, self.phase.start_step + step_in_phase, self.min_ratio)
+
+
+@dataclass(frozen=True)
+class LayerTokenCurve:
+    """Random-LTD's LayerToken schedule: the phase's warmup and decay advance with consumed
+    layer-tokens rather than steps, so early steps (short sequences in the routed layers) move the
+    schedule less. `consumed[k]` = layer-tokens after k steps of the phase."""
+
+    phase: Phase
+    min_ratio: float
+    consumed: tuple[float, ...]
+
+    def __call__(self, step_in_phase: int) -> float:
+        done = self.consumed[min(step_in_phase, self.phase.steps)] / self.consumed[-1]
+        return lr_multiplier(self.phase, done * self.phase.steps, self.min_ratio)
+
+
+def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: Optional[int] = None) -> float:
+    """Forward + backward FLOPs of one sample (docs/method.md §5.1): 6 x matmul parameters
+    per token plus the attention score and value products, 12 x attention width x sequence length per
+    token and layer. With random-LTD, the routed layers (msds.model.roles.routes_tokens) see
+    `keep_tokens` tokens."""
+    h, a, f = cfg.hidden_size, cfg.attention_size, cfg.ffn_size
+    layer_params = 3 * a * h + a * h + 2 * f * h
+    outside_layers = (h * h if cfg.arch == "bert" else 0) + cfg.vocab_size * h   # BERT transform, tied head
+    routed = sum(routes_tokens(i, cfg.num_layers) for i in range(cfg.num_layers)) if keep_tokens is not None else 0
+    kept = keep_tokens or seq_len
+
+    def layer_flops(tokens: int) -> float:
+        return 6 * layer_params * tokens + 12 * a * tokens * tokens
+
+    return 6 * outside_layers * seq_len + (cfg.num_layers - routed) * layer_flops(seq_len) + routed * layer_flops(kept)
