@@ -29,18 +29,20 @@ import copy
 import dataclasses
 import itertools
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
-from msds.config import ConfigError, RunConfig, load_yaml, parse_overrides, run_config_from_dict, set_by_path
+from msds.config import (ConfigError, OptimizerConfig, RunConfig, load_yaml, parse_overrides, run_config_from_dict,
+                         set_by_path)
+from msds.distributed import launched_world_size
 from msds.plan import build_plan
 from msds.train.metrics import read_metrics
 
 BASELINE = "baseline"
+CONFIG_SEEDS = "config"      # the label of a bench run without seeds: the config's own training.seed, data.seed
 BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep")
 
 
@@ -52,10 +54,6 @@ def _merge(base: dict, overrides: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _factor_name(value: float) -> str:
@@ -71,26 +69,38 @@ def _numbers(bench: dict, key: str, kind: type) -> list:
     return [kind(v) for v in values]
 
 
-def sweep_variants(bench: dict) -> dict[str, dict]:
-    """The baseline's sweep members (name -> overrides of `base`), the recipe's own setting first as
-    `baseline`. The grid is learning-rate factors x warmup lengths."""
-    base = bench.get("base") or {}
-    optimizer = base.get("optimizer") or {}
-    lr, warmup = optimizer.get("lr", 1e-3), optimizer.get("warmup_steps", 20)
+def _base(bench: dict, overrides: list[str], seed: Optional[int]) -> dict:
+    """The shared `base` with the command line's overrides and the seed applied."""
+    base = copy.deepcopy(bench.get("base") or {})
+    for key, value in parse_overrides(overrides):
+        set_by_path(base, key, value)
+    if seed is not None:
+        set_by_path(base, "training.seed", seed)
+        set_by_path(base, "data.seed", seed)
+    return base
+
+
+def sweep_variants(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
+    """The baseline sweep: name -> the full run data of each member. The grid is learning-rate factors
+    (of the baseline variant's own peak lr) x warmup lengths; the recipe's own setting is `baseline`."""
+    baseline = _merge(_base(bench, list(overrides), None), (bench.get("variants") or {}).get(BASELINE) or {})
+    optimizer = baseline.get("optimizer") or {}
+    defaults = OptimizerConfig()
+    lr, warmup = optimizer.get("lr", defaults.lr), optimizer.get("warmup_steps", defaults.warmup_steps)
     factors = _numbers(bench, "baseline_lr_sweep", float) or [1.0]
     warmups = _numbers(bench, "baseline_warmup_sweep", int) or [warmup]
-    members = {}
+    members = {BASELINE: {}}
     for factor, steps in itertools.product(factors, warmups):
         name = BASELINE + (f"-lr{_factor_name(factor)}x" if factor != 1 else "") + \
             (f"-wu{steps}" if steps != warmup else "")
-        members[name] = {} if name == BASELINE else {"optimizer": {"lr": lr * factor, "warmup_steps": steps}}
-    members.setdefault(BASELINE, {})
+        if name != BASELINE:
+            members[name] = {"optimizer": {"lr": lr * factor, "warmup_steps": steps}}
     return members
 
 
 def bench_seeds(bench: dict, cli_seeds: Optional[list[int]]) -> list[Optional[int]]:
     """The seeds to run: --seeds, else the config's `seeds`, else [None] (the config's own seeds)."""
-    seeds = cli_seeds or _numbers(bench, "seeds", int)
+    seeds = _numbers({"seeds": cli_seeds}, "seeds", int) if cli_seeds else _numbers(bench, "seeds", int)
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"seeds: {seeds} repeats a seed")
     return list(seeds) or [None]
@@ -98,31 +108,27 @@ def bench_seeds(bench: dict, cli_seeds: Optional[list[int]]) -> list[Optional[in
 
 def variant_configs(bench: dict, out_dir: Path, overrides: list[str], world_size: int = 0,
                     seed: Optional[int] = None) -> dict[str, RunConfig]:
-    """Validated run configs of every variant (sweep members first) as run, for one seed (None: the
-    config's own); errors name `variants.<name>.<field>`."""
+    """Validated run configs of every variant (the baseline sweep first) as run, for one seed (None:
+    the config's own); errors name `variants.<name>.<field>`."""
     unknown = sorted(set(bench) - set(BENCH_KEYS))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key in a bench config; it has {', '.join(BENCH_KEYS)}")
-    base = copy.deepcopy(bench.get("base") or {})
-    for key, value in parse_overrides(overrides):
-        set_by_path(base, key, value)
-    if seed is not None:
-        set_by_path(base, "training.seed", seed)
-        set_by_path(base, "data.seed", seed)
+    base = _base(bench, overrides, seed)
     variants = bench.get("variants") or {}
     if BASELINE not in variants:
         raise ConfigError(f"variants.{BASELINE}: a bench needs a variant named {BASELINE!r} (it may be empty)")
-    members = sweep_variants({**bench, "base": base})
+    members = sweep_variants(bench, overrides)
     clash = sorted(set(members) & set(variants) - {BASELINE})
     if clash:
         raise ConfigError(f"variants.{clash[0]}: this name belongs to the baseline sweep; rename the variant")
+    baseline = _merge(base, variants[BASELINE] or {})
+    runs = {**{name: _merge(baseline, changes) for name, changes in members.items()},
+            **{name: _merge(base, changes or {}) for name, changes in variants.items() if name != BASELINE}}
     configs = {}
-    for name, changes in {**members, **{k: v for k, v in variants.items() if k != BASELINE}}.items():
-        data = _merge(_merge(base, variants[BASELINE] or {}), changes or {}) if name in members else \
-            _merge(base, changes or {})
+    for name, data in runs.items():
         data["run_dir"] = str(out_dir / name)
         try:
-            configs[name] = build_plan(run_config_from_dict(data), world_size or _world_size()).config
+            configs[name] = build_plan(run_config_from_dict(data), world_size or launched_world_size()).config
         except ConfigError as exc:
             raise ConfigError(f"variants.{name}.{exc}") from exc
     _check_fair(configs)
@@ -249,7 +255,8 @@ def markdown(results: dict) -> str:
     """The summary over seeds, then one table per seed."""
     seeds = list(results["per_seed"])
     lines = [f"Reference: `{results['reference']}` (lowest mean final validation loss of the baseline sweep: "
-             + ", ".join(f"{n} {v:.4f}" for n, v in results["baseline_sweep"].items()) + f"). Seeds: {', '.join(seeds)}.",
+             + ", ".join(f"{n} {v:.4f}" for n, v in results["baseline_sweep"].items()) + "). Seeds: "
+             + ("the config's own (training.seed, data.seed)" if seeds == [CONFIG_SEEDS] else ", ".join(seeds)) + ".",
              "",
              "| variant | final val loss, mean (best..worst) | FLOPs saving, mean / worst | wall-clock saving, mean / worst | "
              "missed the target in seeds |", "|---|---|---|---|---|"]
@@ -260,7 +267,8 @@ def markdown(results: dict) -> str:
                      f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])} | "
                      f"{', '.join(a['missed_in_seeds']) or 'none'} |")
     for seed in seeds:
-        lines += ["", f"### seed {seed}", "", seed_table(results["per_seed"][seed])]
+        title = "### runs" if seed == CONFIG_SEEDS else f"### seed {seed}"
+        lines += ["", title, "", seed_table(results["per_seed"][seed])]
     return "\n".join(lines) + "\n"
 
 
@@ -325,22 +333,21 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     out_dir = Path(out_dir)
     bench = load_yaml(config_path)
     seed_list = bench_seeds(bench, seeds)
-    seed_dirs = {("config" if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}" for s in seed_list}
+    seed_dirs = {(CONFIG_SEEDS if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}"
+                 for s in seed_list}
     configs = {label: variant_configs(bench, seed_dirs[label], list(overrides), seed=s)
                for label, s in zip(seed_dirs, seed_list)}
-    members = list(sweep_variants(bench))
+    members = list(sweep_variants(bench, list(overrides)))
     names = list(next(iter(configs.values())))
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:
             raise ConfigError(f"--only: {unknown[0]!r} is not a variant of {config_path}; its variants: "
                               f"{', '.join(names)}")
-        if BASELINE not in only:
-            raise ConfigError(f"--only: include {BASELINE}; every variant is measured against it")
         names = [n for n in names if n in only or n in members]
     for label, seed_configs in configs.items():
         _train_missing({n: seed_configs[n] for n in names}, seed_dirs[label])
-    if dist.get_rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     reference, sweep = best_baseline(list(seed_dirs.values()), members)
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
@@ -369,7 +376,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
     parser.add_argument("--out", required=True, help="output directory (one run directory per variant and seed)")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
                         help="run every variant once per seed (overrides the config's `seeds`)")
-    parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants "
-                        "(baseline included; the baseline sweep always runs); put key=value overrides before --only")
+    parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants and "
+                        "the baseline sweep (which always runs); put key=value overrides before --only")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)

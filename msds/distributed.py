@@ -19,6 +19,19 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _launched() -> bool:
+    """Whether a launcher (torchrun, the deepspeed launcher, slurm/train.sh) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world_size() -> int:
+    """The number of processes of this job: the process group's once it exists, else the launcher's,
+    else 1 (init_distributed then makes a one-process group)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if _launched() else 1
+
+
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:
     """Initialise torch.distributed (from launcher variables, else one process) and megatron-core's
     parallel state. Idempotent for the same sizes. Refuses deepspeed / megatron-core versions other
@@ -28,7 +41,7 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
 
     megatron_core_0_16.install_cpu_fallbacks()
     if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if _launched():
             import deepspeed
 
             if torch.cuda.is_available():
@@ -47,14 +60,7 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
         if (tp, pp) == (tensor_parallel, pipeline_parallel):
             return
         parallel_state.destroy_model_parallel()
-    world = dist.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel):
-        from msds.config import ConfigError
-
-        raise ConfigError(f"parallel: tensor ({tensor_parallel}) x pipeline ({pipeline_parallel}) parallel sizes "
-                          f"must divide the number of processes, {world}; launch a multiple of "
-                          f"{tensor_parallel * pipeline_parallel} processes or change parallel.tensor / "
-                          f"parallel.pipeline")
+    # The sizes fit the world: msds.plan.build_plan checked them against launched_world_size().
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel)
     megatron_core_0_16.seed_model_parallel_rng(seed)

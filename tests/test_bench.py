@@ -5,7 +5,7 @@ import math
 import pytest
 import yaml
 
-from msds.bench import first_crossing, run_bench
+from msds.bench import first_crossing, run_bench, sweep_variants, variant_configs
 from msds.config import ConfigError
 
 MINIMAL = {
@@ -130,6 +130,18 @@ def test_bench_without_baseline_or_with_unfair_variant(tmp_path, train_corpus):
         run_bench(write(tmp_path, unfair), tmp_path / "out", [f"data.path={train_corpus}"])
     with pytest.raises(ConfigError, match=r"^--only: 'nope' is not a variant of .*; its variants: baseline, vcycle"):
         run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], only=["nope"])
-    with pytest.raises(ConfigError, match=r"^--only: include baseline"):
-        run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], only=["vcycle"])
     assert not (tmp_path / "out").exists()
+
+
+def test_the_sweep_scales_the_baseline_variant_s_own_settings(tmp_path, train_corpus):
+    bench = {**MINIMAL, "baseline_lr_sweep": [1, 2], "baseline_warmup_sweep": [2, 5],
+             "variants": {"baseline": {"optimizer": {"lr": 0.01}}}}
+    members = sweep_variants(bench)
+    assert set(members) == {"baseline", "baseline-wu5", "baseline-lr2x", "baseline-lr2x-wu5"}
+    configs = variant_configs(bench, tmp_path, [f"data.path={train_corpus}"], world_size=1)
+    assert configs["baseline"].optimizer.lr == 0.01 and configs["baseline-lr2x-wu5"].optimizer.lr == 0.02
+    assert configs["baseline-lr2x-wu5"].optimizer.warmup_steps == 5
+    # A command-line warmup becomes the recipe's own setting: the sweep's names follow it.
+    overridden = variant_configs(bench, tmp_path, [f"data.path={train_corpus}", "optimizer.warmup_steps=5"], world_size=1)
+    assert set(overridden) == {"baseline", "baseline-wu2", "baseline-lr2x", "baseline-lr2x-wu2"}
+    assert set(sweep_variants(bench, ["optimizer.warmup_steps=5"])) == set(overridden)

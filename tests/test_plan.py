@@ -80,7 +80,9 @@ def test_plan_keeps_its_own_copy_and_fills_the_run_length():
     assert plan.config.optimizer.lr != 123.0
     assert [(p.level, p.start_step, p.end_step) for p in plan.phases] == \
         [(1, 0, 6), (2, 6, 12), (3, 12, 18), (2, 18, 24), (1, 24, 30)]
-    assert [plan.phase_at(s).index for s in (0, 5, 6, 29, 30)] == [0, 0, 1, 4, 4]
+    # Planning the copy as run gives the same run (its config.yaml is a config).
+    again = build_plan(plan.config)
+    assert again.phases == plan.phases and again.config == plan.config
 
 
 def test_ds_config_per_phase_is_fresh_and_carries_the_peak_lr():
@@ -148,3 +150,56 @@ def test_budget_steps_with_explicit_fractions_and_bad_input():
         build_plan(_prototype({"budget_steps": 480, "phase_steps": [1, 2, 3]}))
     with pytest.raises(ConfigError, match=r"^multilevel\.phase_fractions: only used with multilevel\.budget_steps"):
         build_plan(_prototype({"phase_fractions": [0.2, 0.4], "phase_steps": [1, 2, 3]}, steps=0))
+
+
+def test_a_budget_sized_plan_replans_to_the_same_run():
+    plan = build_plan(_prototype({"budget_steps": 480}))
+    again = build_plan(plan.config)
+    assert again.phases == plan.phases and again.config.multilevel.budget_steps == 0
+    # msds plan compares with the baseline the V-cycle was sized from: about the same FLOPs.
+    assert 0.99 < plan.total_flops() / plan.baseline_flops() <= 1.0
+
+
+def test_the_baseline_keeps_its_warmup_as_given():
+    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml",
+                                      ["multilevel.enabled=false", "training.steps=10", "optimizer.warmup_steps=20"]))
+    assert plan.phases[0].warmup_steps == 20 and plan.lr_curves[0](0) == pytest.approx(1 / 20)
+
+
+def test_packaged_ds_config_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = str(REPO / "recipes" / "test-vcycle-gpt.yaml")
+    for name in ("ds_configs/zero1-random-ltd-seq64.json", "zero1-random-ltd-seq64.json"):
+        cfg = load_run_config(recipe, [f"training.ds_config={name}", "data.seq_len=64", "model.max_positions=64"])
+        assert build_plan(cfg).random_ltd.max_value == 64
+    with pytest.raises(ConfigError, match=r"^training\.ds_config: nope\.json does not exist; give a path to a "
+                                          r"DeepSpeed JSON or the name of a packaged one \(zero0\.json"):
+        build_plan(load_run_config(recipe, ["training.ds_config=nope.json"]))
+
+
+def test_unsupported_deepspeed_sections_are_errors(tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    ds["data_efficiency"] = {"enabled": True, "data_sampling": {"enabled": True}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    recipe = str(REPO / "recipes" / "test-vcycle-gpt.yaml")
+    with pytest.raises(ConfigError, match=r"data_efficiency\.data_sampling \(curriculum learning\) is not supported"):
+        build_plan(load_run_config(recipe, [f"training.ds_config={tmp_path / 'ds.json'}"]))
+    ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    ds["optimizer"]["params"]["lr"] = 0.5
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=r"^training\.ds_config: optimizer\.params\.lr is 0\.5 but the msds config "
+                                          r"says 0\.001"):
+        build_plan(load_run_config(recipe, [f"training.ds_config={tmp_path / 'ds.json'}"]))
+
+
+def test_engine_checkpoints_do_not_carry_the_plan_s_curves():
+    """LambdaLR saves the attributes of callable objects (and restores them on resume); the engine
+    hands it a plain function, so a resumed run always follows the plan it was started with."""
+    from msds.train.engine import build_engine, destroy_engine
+
+    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", []))
+    engine = build_engine(plan, plan.phases[0], None)
+    try:
+        assert engine.lr_scheduler.state_dict()["lr_lambdas"] == [None, None]
+    finally:
+        destroy_engine(engine)

@@ -19,7 +19,7 @@ Each unit is built from its own random stream (`unit_rng`), so a pipeline has th
 the flat model with the same seed, and every parameter has the flat model's name
 (`named_parameters`): transitions, checkpoint conversion and exports see the same tensors whatever
 the pipeline layout. Stages hold equal numbers of blocks, so a depth grouping planned with
-shards = P (msds.train.schedule.level_maps) keeps every group of layers inside one stage.
+shards = P (msds.plan.build, the level maps) keeps every group of layers inside one stage.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 
 from msds.compat import deepspeed_0_19 as ds_compat
 from msds.config import ModelConfig
-from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, check_buildable, init_seed,
+from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, init_seed,
                                     megatron_config, route_tokens, routes_tokens, sdpa_mask, token_loss,
                                     unit_rng)
 
@@ -116,7 +116,7 @@ class PipelineTransformer(PipelineModule):
     and data parallel sizes). `seed` as for Transformer."""
 
     def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
-        check_buildable(cfg)
+        cfg.validate()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         seed = init_seed() if seed is None else seed
         routing = Routing()

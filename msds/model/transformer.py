@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
 from torch import nn
 
-from msds.config import ConfigError, ModelConfig
+from msds.config import ModelConfig
 from msds.model.roles import routes_tokens
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
         super().__init__()
-        check_buildable(cfg)
+        cfg.validate()   # the run plan checked the parallel layout; this is the model's own shape
         self.cfg = cfg
         seed = init_seed() if seed is None else seed
         mp = megatron_config(cfg)
@@ -276,15 +276,6 @@ class Transformer(nn.Module):
         if labels is None:
             return logits
         return token_loss(logits, labels)
-
-
-def check_buildable(cfg: ModelConfig) -> None:
-    """A valid config whose heads, FFN and vocabulary split over this tensor-parallel group."""
-    cfg.validate()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    for name, size in (("num_heads", cfg.num_heads), ("ffn_size", cfg.ffn_size), ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ConfigError(f"model.{name}: {size} is not divisible by the tensor-parallel size {tp}")
 
 
 def token_loss(vocab_parallel_logits, labels):

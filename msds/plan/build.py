@@ -25,7 +25,7 @@ from msds.multilevel.operators import LevelMap, check_alpha, plan_level
 from msds.plan import random_ltd as random_ltd_config
 from msds.plan.random_ltd import RandomLTD
 from msds.plan.schedule import LayerTokenCurve, Phase, PhaseCurve, RunCurve, flops_per_sample
-from msds.resources import ds_template
+from msds.resources import ds_configs_dir, ds_template, ds_template_names
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class RunPlan:
+    """Everything a run derives from its config. Read-only: `config` is the plan's own copy of the
+    config as run (derived values filled in), not to be edited."""
+
     config: RunConfig
     layout: Layout
     levels: tuple[ModelConfig, ...]          # levels[k - 1] is level k; level 1 is the full model
@@ -51,6 +54,7 @@ class RunPlan:
     lr_curves: tuple[Callable[[int], float], ...]   # per phase: step in phase -> multiplier of peak_lr
     random_ltd: Optional[RandomLTD]
     ds_template: str                         # the DeepSpeed JSON, random-LTD section removed
+    baseline_steps: int                      # the run without multi-level training: budget_steps or as many steps
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -74,10 +78,6 @@ class RunPlan:
     def model(self, level: int) -> ModelConfig:
         return self.levels[level - 1]
 
-    def phase_at(self, step: int) -> Phase:
-        """The phase that runs global step `step` (the last phase for the end of the run)."""
-        return next((p for p in self.phases if step < p.end_step), self.phases[-1])
-
     # -- per step ---------------------------------------------------------------------------
 
     def keep_tokens(self, step: int) -> Optional[int]:
@@ -85,8 +85,7 @@ class RunPlan:
         return self.random_ltd.keep_tokens(step) if self.random_ltd else None
 
     def flops_per_step(self, level: int, step: int) -> float:
-        return flops_per_sample(self.model(level), self.config.data.seq_len, self.keep_tokens(step)) \
-            * self.samples_per_step
+        return _step_flops(self.model(level), self.config.data.seq_len, self.keep_tokens(step), self.samples_per_step)
 
     def steps_flops(self, level: int, start: int, end: int) -> float:
         """FLOPs of steps start..end-1 at `level` (constant per step unless random-LTD varies it)."""
@@ -98,10 +97,7 @@ class RunPlan:
         return self.steps_flops(phase.level, phase.start_step, phase.end_step)
 
     def transition_flops(self, from_level: int, to_level: int) -> float:
-        """A transition costs about ten elementwise passes over the parameters and moments of the
-        larger model on every data-parallel replica: negligible next to a step, but counted."""
-        larger = self.model(min(from_level, to_level))
-        return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * self.layout.data
+        return _transition_flops(self.model(min(from_level, to_level)), self.layout.data)
 
     def total_flops(self) -> float:
         steps = sum(self.phase_flops(p) for p in self.phases)
@@ -109,8 +105,8 @@ class RunPlan:
         return steps + moves
 
     def baseline_flops(self) -> float:
-        """The same number of steps at level 1 (the run without multi-level training)."""
-        return self.steps_flops(1, 0, self.total_steps)
+        """The run without multi-level training: `baseline_steps` at level 1."""
+        return self.steps_flops(1, 0, self.baseline_steps)
 
     # -- DeepSpeed --------------------------------------------------------------------------
 
@@ -136,18 +132,28 @@ def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
     layout = _layout(cfg, world_size)
     levels = (cfg.model,) + tuple(m.small for m in maps)
     template = _read_ds_template(cfg)
-    ltd = random_ltd_config.parse(template.pop("data_efficiency", None) or {}, cfg.model, cfg.data.seq_len)
+    efficiency = template.pop("data_efficiency", None) or {}
+    if efficiency.get("enabled") and (efficiency.get("data_sampling") or {}).get("enabled"):
+        raise ConfigError("training.ds_config: data_efficiency.data_sampling (curriculum learning) is not supported "
+                          "by msds; disable it (msds implements only data_routing.random_ltd)")
+    ltd = random_ltd_config.parse(efficiency, cfg.model, cfg.data.seq_len)
     _check_schedule(cfg, ltd)
-    if cfg.multilevel.enabled and cfg.multilevel.budget_steps:
-        # The copy as run names its phases: the run directory's config.yaml shows what was derived.
-        cfg.multilevel.phase_steps = _budget_phase_steps(cfg, levels, ltd, layout)
-    _check_phases(cfg)
-    phases = _phases(cfg)
-    cfg.training.steps = phases[-1].end_step     # the copy as run: a V-cycle's length is its phases'
+    phases = _phases(cfg, levels, ltd, layout)
+    baseline_steps = cfg.multilevel.budget_steps or phases[-1].end_step
+    _name_derived_values(cfg, phases)
     ds = _fill_ds_config(template, cfg, layout)
     plan = RunPlan(config=cfg, layout=layout, levels=levels, level_maps=tuple(maps), phases=tuple(phases),
-                   lr_curves=(), random_ltd=ltd, ds_template=json.dumps(ds))
+                   lr_curves=(), random_ltd=ltd, ds_template=json.dumps(ds), baseline_steps=baseline_steps)
     return dataclasses.replace(plan, lr_curves=tuple(_lr_curve(plan, phase) for phase in phases))
+
+
+def _name_derived_values(cfg: RunConfig, phases: list[Phase]) -> None:
+    """The copy as run names what was derived, so that its config.yaml (and a plan of it) gives the
+    same run: a V-cycle's length, and phases sized from budget_steps."""
+    cfg.training.steps = phases[-1].end_step
+    if cfg.multilevel.enabled and cfg.multilevel.budget_steps:
+        cfg.multilevel.phase_steps = [p.steps for p in phases]
+        cfg.multilevel.budget_steps, cfg.multilevel.phase_fractions = 0, []
 
 
 def check_environment(plan: RunPlan) -> None:
@@ -286,20 +292,19 @@ def _check_schedule(cfg: RunConfig, ltd: Optional[RandomLTD]) -> None:
                           "or give phase_steps instead")
 
 
-def _check_phases(cfg: RunConfig) -> None:
+def _check_phase_steps(cfg: RunConfig, steps: list[int]) -> None:
     ml = cfg.multilevel
-    if not ml.enabled:
-        return
     phases = 2 * len(ml.levels) * ml.cycles + 1
-    if len(ml.phase_steps) != phases:
+    if len(steps) != phases:
         raise ConfigError(f"multilevel.phase_steps: {len(ml.levels) + 1} levels and {ml.cycles} cycle(s) need "
-                          f"{phases} phases (down, bottom, up), got {len(ml.phase_steps)}")
-    for i, steps in enumerate(ml.phase_steps):
-        if steps <= 0:
-            raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {steps}")
-    if cfg.training.steps not in (0, sum(ml.phase_steps), ml.budget_steps):   # a converted baseline keeps its steps
+                          f"{phases} phases (down, bottom, up), got {len(steps)}; or size them from "
+                          f"multilevel.budget_steps")
+    for i, n in enumerate(steps):
+        if n <= 0:
+            raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {n}")
+    if cfg.training.steps not in (0, sum(steps), ml.budget_steps):   # a converted baseline keeps its steps
         raise ConfigError(f"training.steps: {cfg.training.steps} differs from the sum of multilevel.phase_steps "
-                          f"({sum(ml.phase_steps)}); set it to 0 or to that sum")
+                          f"({sum(steps)}); set it to 0 or to that sum")
 
 
 # Phase lengths as fractions of the baseline's budget, for one cycle of two levels: coalesce after
@@ -323,23 +328,17 @@ def _budget_phase_steps(cfg: RunConfig, levels: tuple[ModelConfig, ...], ltd: Op
         if not 0 < f < 1:
             raise ConfigError(f"multilevel.phase_fractions[{i}]: must be in (0, 1), got {f}")
     samples = cfg.training.micro_batch_size * cfg.training.grad_accum * layout.data
-    depth = len(ml.levels) + 1
-    order = [1] + (list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))) * ml.cycles
+    order = _level_order(cfg)
 
     def step_flops(level: int, step: int) -> float:
-        keep = ltd.keep_tokens(step) if ltd else None
-        return flops_per_sample(levels[level - 1], cfg.data.seq_len, keep) * samples
-
-    def transition_flops(a: int, b: int) -> float:
-        larger = levels[min(a, b) - 1]
-        return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * layout.data
+        return _step_flops(levels[level - 1], cfg.data.seq_len, ltd.keep_tokens(step) if ltd else None, samples)
 
     steps = [max(1, round(f * budget)) for f in fractions]
     spent, step = 0.0, 0
     for level, n in zip(order, steps):
         spent += sum(step_flops(level, s) for s in range(step, step + n))
         step += n
-    spent += sum(transition_flops(a, b) for a, b in zip(order, order[1:]))
+    spent += sum(_transition_flops(levels[min(a, b) - 1], layout.data) for a, b in zip(order, order[1:]))
     allowed = budget * step_flops(1, 0) if ltd is None else sum(step_flops(1, s) for s in range(budget))
     if ltd is None:                      # constant cost per step: no need to walk the steps
         last = int((allowed - spent) // step_flops(1, 0))
@@ -368,29 +367,44 @@ def peak_lr(cfg: RunConfig, level: int) -> float:
     return cfg.optimizer.lr * scale
 
 
-def _phases(cfg: RunConfig) -> list[Phase]:
-    """Level 1, then for each cycle down to the coarsest level and back up; the baseline is one
-    level-1 phase."""
+def _level_order(cfg: RunConfig) -> list[int]:
+    """The level of each phase: level 1, then for each cycle down to the coarsest and back up."""
     if not cfg.multilevel.enabled:
-        return [Phase(0, 1, cfg.training.steps, 0, cfg.optimizer.lr, min(cfg.optimizer.warmup_steps,
-                                                                         cfg.training.steps))]
+        return [1]
     depth = len(cfg.multilevel.levels) + 1
-    cycle = list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))
-    levels = [1] + cycle * cfg.multilevel.cycles
-    phases, step = [], 0
-    for index, (level, steps) in enumerate(zip(levels, cfg.multilevel.phase_steps)):
+    return [1] + (list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))) * cfg.multilevel.cycles
+
+
+def _phases(cfg: RunConfig, levels: tuple[ModelConfig, ...], ltd: Optional[RandomLTD], layout: Layout) -> list[Phase]:
+    """The run's phases; the baseline is one level-1 phase. Warmup is the optimizer's for the first
+    phase (as given) and multilevel.phase_warmup_steps, at most the phase's length, for the others."""
+    if not cfg.multilevel.enabled:
+        return [Phase(0, 1, cfg.training.steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)]
+    steps = _budget_phase_steps(cfg, levels, ltd, layout) if cfg.multilevel.budget_steps else cfg.multilevel.phase_steps
+    _check_phase_steps(cfg, steps)
+    phases, start = [], 0
+    for index, (level, n) in enumerate(zip(_level_order(cfg), steps)):
         warmup = cfg.optimizer.warmup_steps if index == 0 else cfg.multilevel.phase_warmup_steps
-        phases.append(Phase(index, level, steps, step, peak_lr(cfg, level), min(warmup, steps)))
-        step += steps
+        phases.append(Phase(index, level, n, start, peak_lr(cfg, level), min(warmup, n)))
+        start += n
     return phases
+
+
+def _step_flops(model: ModelConfig, seq_len: int, keep_tokens: Optional[int], samples: int) -> float:
+    return flops_per_sample(model, seq_len, keep_tokens) * samples
+
+
+def _transition_flops(larger: ModelConfig, data_parallel: int) -> float:
+    """A transition costs about ten elementwise passes over the parameters and moments of the
+    larger model on every data-parallel replica: negligible next to a step, but counted."""
+    return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * data_parallel
 
 
 def _lr_curve(plan: RunPlan, phase: Phase) -> Callable[[int], float]:
     cfg = plan.config
     min_ratio = cfg.optimizer.min_lr_ratio
     if cfg.multilevel.enabled and cfg.multilevel.lr_schedule == "run":
-        whole_run = Phase(0, 1, plan.total_steps, 0, cfg.optimizer.lr,
-                          min(cfg.optimizer.warmup_steps, plan.total_steps))
+        whole_run = Phase(0, 1, plan.total_steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)
         return RunCurve(phase, whole_run, min_ratio)
     if not (plan.random_ltd and plan.random_ltd.layer_token_lr):
         return PhaseCurve(phase, min_ratio)
@@ -405,8 +419,11 @@ def _read_ds_template(cfg: RunConfig) -> dict:
     """The DeepSpeed JSON the run starts from (training.ds_config, else the packaged
     ds_configs/zero<stage>.json)."""
     path = Path(cfg.training.ds_config) if cfg.training.ds_config else ds_template(cfg.training.zero_stage)
+    if not path.is_file() and path.parent in (Path("."), Path("ds_configs")):
+        path = ds_configs_dir() / path.name           # a template shipped with msds, by name
     if not path.is_file():
-        raise ConfigError(f"training.ds_config: {path} does not exist")
+        raise ConfigError(f"training.ds_config: {cfg.training.ds_config} does not exist; give a path to a DeepSpeed "
+                          f"JSON or the name of a packaged one ({', '.join(ds_template_names())})")
     try:
         template = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -442,7 +459,7 @@ def _fill_ds_config(ds: dict, cfg: RunConfig, layout: Layout) -> dict:
         raise ConfigError(f"training.ds_config: optimizer.type {optimizer['type']!r}; msds trains with "
                           f"AdamW (its moments are what transitions map)")
     params = optimizer.setdefault("params", {})
-    params["lr"] = o.lr
+    _fill(params, "lr", o.lr, "optimizer.params.lr")   # each phase's engine then gets its level's peak
     _fill(params, "betas", [o.beta1, o.beta2], "optimizer.params.betas")
     _fill(params, "eps", o.eps, "optimizer.params.eps")
     _fill(params, "weight_decay", o.weight_decay, "optimizer.params.weight_decay")

@@ -131,7 +131,7 @@ def _run(args) -> int:
 def add_parser(subparsers, name: str, doc: str) -> None:
     parser = subparsers.add_parser(name, help=doc, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=False, help="YAML run config (recipes/*.yaml)")
+    parser.add_argument("--config", required=False, help="YAML run or bench config, or a packaged recipe's name")
     parser.add_argument("--world-size", type=int, default=0, metavar="N",
                         help="number of processes of the run (default: $WORLD_SIZE, else 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

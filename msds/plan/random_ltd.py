@@ -48,8 +48,9 @@ class RandomLTD:
 def parse(efficiency: dict, model: ModelConfig, seq_len: int) -> RandomLTD | None:
     """The random-LTD settings of a ds_config's `data_efficiency` section (None when absent or
     disabled), validated against the level-1 model and sequence length."""
-    routing = (efficiency.get("data_routing") or {}).get("random_ltd") or {}
-    if not (efficiency.get("enabled", False) and routing.get("enabled", False)):
+    data_routing = efficiency.get("data_routing") or {}
+    routing = data_routing.get("random_ltd") or {}
+    if not (efficiency.get("enabled", False) and data_routing.get("enabled", False) and routing.get("enabled", False)):
         return None
     total = routing.get("total_layer_num", model.num_layers)
     if total != model.num_layers:

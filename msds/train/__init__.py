@@ -1,5 +1,6 @@
-"""Training: DeepSpeed engines, the V-cycle schedule, level transitions, checkpoints and metrics.
+"""Training: DeepSpeed engines, level transitions, the loop, checkpoints and metrics.
 
-Data flows one way: config -> data + model -> engine -> loop -> checkpoints/metrics. The loop
-(`loop.py`) asks `transition.py`, the one place that changes levels, for the next level's engine.
+Data flows one way: config -> plan -> data + model -> engine -> loop -> checkpoints/metrics. The
+loop (`loop.py`) reads the run plan (msds.plan) and calls `transition.py`, the one place that
+changes levels, at each phase boundary.
 """

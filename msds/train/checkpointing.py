@@ -9,14 +9,22 @@
 A checkpoint becomes "latest" only after every rank has written its files and rank 0 has listed
 them in COMPLETE. On resume each candidate is verified against COMPLETE, newest first; a partial
 or corrupted one is reported and the previous complete one is used.
+
+Every file is read with torch.load(weights_only=True) (`safe_load`), DeepSpeed's included: COMPLETE
+catches accidents, not attacks (whoever crafts the files crafts the manifest), so a checkpoint from
+elsewhere must not be able to run code when it is loaded.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import random
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -99,16 +107,83 @@ def find_resumable(ckpt_dir: Path, world_size: int, report) -> str | None:
     return None
 
 
+def _allowed_types() -> list[type]:
+    """The classes a checkpoint may hold besides tensors and plain containers: DeepSpeed's records
+    (msds.compat.deepspeed_0_19.checkpoint_types) and msds's Phase, which the LR scheduler's state
+    holds (LambdaLR keeps the attributes of msds's callable curve objects)."""
+    from msds.compat.deepspeed_0_19 import checkpoint_types
+    from msds.plan.schedule import Phase
+
+    return [Phase, *checkpoint_types()]
+
+
+def safe_load(path, map_location="cpu"):
+    """torch.load(path) with weights_only=True and only `_allowed_types()` allowed besides tensors
+    and plain containers, so that loading runs no code of the file; an MsdsError naming the file and
+    what it refused when the file asks for anything else."""
+    try:
+        with torch.serialization.safe_globals(_allowed_types()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise MsdsError(f"{path}: {_refusal(str(exc))}: not a tensor checkpoint msds or DeepSpeed writes; do not "
+                        f"load checkpoints from untrusted sources with torch.load(weights_only=False)") from None
+
+
+def _refusal(message: str) -> str:
+    """What torch's weights-only unpickler refused, from its error message."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", message)
+    if found:
+        return f"refuses to unpickle {found.group(1)}"
+    found = re.search(r"WeightsUnpickler error: ([^\n]+)", message)
+    return f"refuses to unpickle it ({found.group(1) if found else message.strip().splitlines()[0]})"
+
+
 def load(engine, ckpt_dir: Path, tag: str) -> tuple[dict, dict]:
-    """Restore the engine from checkpoint `tag`; returns (state, this rank's state)."""
-    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    """Restore the engine from checkpoint `tag`, every file read by `safe_load`; returns (state,
+    this rank's state)."""
+    from msds.compat.deepspeed_0_19 import checkpoint_reads_through
+
+    with checkpoint_reads_through(engine, safe_load):
+        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
     if load_path is None:
         raise MsdsError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
     msds_dir = ckpt_dir / tag / "msds"
     state = json.loads((msds_dir / "state.json").read_text())
-    rank_state = torch.load(msds_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
+    rank_state = safe_load(msds_dir / f"rank{dist.get_rank()}.pt")
     return state, rank_state
+
+
+def rng_state() -> dict:
+    """Every random generator this process draws from: Python's `random`, NumPy's global one,
+    torch's CPU generator, torch's CUDA generator of every visible device (when CUDA is available)
+    and megatron-core's model-parallel tracker streams (per tensor-parallel rank). Only tensors,
+    numbers, strings, lists, tuples and dicts: `safe_load` reads it back."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": [kind, keys.tolist(), position, has_gauss, cached_gauss],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "megatron": {name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()}}
+
+
+def restore_rng_state(state) -> None:
+    """Put every generator back where `rng_state()` found it. A checkpoint written before msds kept
+    them all holds the CPU generator's state alone: only that one is restored then."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    if torch.is_tensor(state):
+        torch.set_rng_state(state)
+        return
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, cached_gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states({name: s.clone() for name, s in state["megatron"].items()})
 
 
 def read_state(ckpt_dir: Path, tag: str) -> dict:
@@ -144,7 +219,7 @@ def _tensors(state: dict) -> dict[str, torch.Tensor]:
 
 def _flat_module(tag_dir: Path, cfg, tp_rank: int) -> dict[str, torch.Tensor]:
     path = tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
-    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    module = safe_load(path)["module"]
     if not module or any(t.numel() == 0 for t in module.values() if torch.is_tensor(t)):
         raise MsdsError(f"{path}: holds no full module weights (a ZeRO-3 checkpoint); use the model the "
                         f"run exported to <run_dir>/model")
@@ -162,7 +237,7 @@ def _pipeline_module(tag_dir: Path, cfg, tp_rank: int) -> dict[str, torch.Tensor
         path = tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
         if not path.is_file():
             raise MsdsError(f"{path}: missing; the checkpoint does not hold every pipeline layer")
-        layer = _tensors(torch.load(path, map_location="cpu", weights_only=False))
+        layer = _tensors(safe_load(path))
         out.update({prefix + name: tensor for name, tensor in layer.items()})
     return out
 

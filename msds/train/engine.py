@@ -1,4 +1,4 @@
-"""DeepSpeed engines for msds models: the ds_config, the engine (a PipelineEngine when
+"""DeepSpeed engines for msds models: the engine of a plan's phase (a PipelineEngine when
 parallel.pipeline > 1), one training step and one evaluation whatever the engine, and full-tensor
 access to its fp32 weights and Adam moments whatever the ZeRO stage, under the flat model's names.
 
@@ -44,10 +44,12 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: dict[str, torch.Tensor] |
                 p.copy_(tensors[name])
     # A pipeline brings its own process-group grid (DeepSpeed refuses an mpu then).
     lr_curve = plan.lr_curves[phase.index]
+    # A plain function, not the curve object: LambdaLR saves (and on resume restores) the attributes
+    # of callable objects into checkpoints; the plan's curve is derived afresh on every start.
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
         config=plan.ds_config(phase), dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_curve))
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_curve(s)))
     return engine
 
 
@@ -92,8 +94,8 @@ def _plain_optimizer_state(engine, param) -> dict:
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """Every parameter's full (over data parallelism; this rank's tensor-parallel shard) fp32 value
-    on the engine's device, gathered one tensor at a time (under ZeRO-3 the extra peak memory is one
-    full tensor). On GPUs the transition operators then run there, through the fused kernels."""
+    on the engine's device: each tensor is gathered in turn and a copy of it kept, so the result
+    holds the whole model at once on every rank. On GPUs the transition operators then run there."""
     out = {}
     for name, p in named_parameters(engine.module):
         full = safe_get_full_fp32_param(p)
@@ -138,7 +140,7 @@ def gather_pipeline_stages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.
 def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
     """Adam's exp_avg and exp_avg_sq of every parameter, like `full_weights`."""
     out = {key: {} for key in MOMENTS}
-    _link_moments(engine)
+    ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
     for name, p in named_parameters(engine.module):
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
@@ -152,39 +154,28 @@ def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
 def optimizer_step_count(engine) -> int:
     """The optimizer steps taken so far (AdamW's `step` of the first state that has one), 0 before
     the first step."""
-    for state in _base_optimizer(engine).state.values():
+    for state in ds_compat.base_optimizer(engine).state.values():
         if "step" in state:
             return int(state["step"])
     return 0
 
 
-def _base_optimizer(engine):
-    """The torch optimizer holding the Adam state (msds.compat.deepspeed_0_19.base_optimizer)."""
-    return ds_compat.base_optimizer(engine)
-
-
 def _materialise_optimizer_state(engine) -> None:
     """torch's AdamW creates its state at the first step and ZeRO 1/2 link their per-parameter
     views to it only then; a fresh engine that is to receive mapped moments needs both now."""
-    base = _base_optimizer(engine)
+    base = ds_compat.base_optimizer(engine)
     for flat in ds_compat.optimizer_state_flats(engine):
         state = base.state[flat]
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
                          exp_avg_sq=torch.zeros_like(flat))
-    _link_moments(engine)
-
-
-def _link_moments(engine) -> None:
-    """(Re)build ZeRO 1/2's per-parameter views of the optimizer state, so that every parameter group
-    shows its moments (msds.compat.deepspeed_0_19.relink_hp_optimizer_states: a DeepSpeed 0.19.8 bug)."""
-    ds_compat.relink_hp_optimizer_states(engine)
+    ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
 
 
 def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
     """Install full Adam moments and the step count into a fresh engine's (partitioned) state."""
     _materialise_optimizer_state(engine)
-    base = _base_optimizer(engine)
+    base = ds_compat.base_optimizer(engine)
     for name, p in named_parameters(engine.module):
         for key in MOMENTS:
             value = moments[key][name]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from msds.model.files import save_model
 from msds.config import RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, train_batches
-from msds.distributed import data_parallel_group, init_distributed
+from msds.distributed import data_parallel_group, init_distributed, launched_world_size
 from msds.plan import RunPlan, build_plan, check_environment
 from msds.train import checkpointing
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
@@ -112,7 +111,7 @@ class Trainer:
         state = {"train": asdict(self.state), "transitions": self.transitions,
                  "model": asdict(self.plan.model(self.phase.level)),
                  "tensor_parallel": self.cfg.parallel.tensor, "pipeline_parallel": self.cfg.parallel.pipeline}
-        rank_state = {"saved": [s.state_dict() for s in self.saved], "rng": torch.get_rng_state()}
+        rank_state = {"saved": [s.state_dict() for s in self.saved], "rng": checkpointing.rng_state()}
         tag = checkpointing.save(engine, self.ckpt_dir, self.state.step, state, rank_state, self.cfg.checkpoint.keep)
         self.log.event("checkpoint", {"step": self.state.step, "tag": tag, "reason": reason},
                        f"checkpoint {self.ckpt_dir / tag} ({reason})")
@@ -129,7 +128,7 @@ class Trainer:
         state, rank_state = checkpointing.load(engine, self.ckpt_dir, tag)
         self.transitions = state["transitions"]
         self.saved = [SavedLevel(**s) for s in rank_state["saved"]]
-        torch.set_rng_state(rank_state["rng"])
+        checkpointing.restore_rng_state(rank_state["rng"])
         self.log.event("resume", {"step": self.state.step, "tag": tag},
                        f"resumed from {self.ckpt_dir / tag} at step {self.state.step} (level {self.phase.level})")
         return engine
@@ -251,11 +250,11 @@ def train(cfg: RunConfig) -> RunSummary:
     """Run (or resume) a training run in this process group; callable repeatedly in one process."""
     # The whole plan first: a V-cycle that does not fit the parallel layout fails before any
     # process group or engine is made.
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    plan = build_plan(cfg, world)
+    plan = build_plan(cfg, launched_world_size())
     check_environment(plan)
     init_distributed(tensor_parallel=plan.layout.tensor, pipeline_parallel=plan.layout.pipeline,
                      seed=cfg.training.seed)
+    assert dist.get_world_size(data_parallel_group()) == plan.layout.data, "the plan's layout is the process group's"
     run_dir = Path(cfg.run_dir)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
