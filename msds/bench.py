@@ -251,6 +251,27 @@ def seed_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline(results: dict) -> str:
+    """One line: the best variant (highest mean FLOPs saving; else the lowest mean final loss) against
+    the reference, with its mean and worst saving or by how much it missed."""
+    others = {n: a for n, a in results["variants"].items() if n not in results["baseline_sweep"]}
+    if not others:
+        return f"reference: {results['reference']} (no other variant)"
+    reached = {n: a for n, a in others.items() if a["flops_saving"]["mean"] is not None}
+    targets = [s["target_val_loss"] for s in results["per_seed"].values()]
+    if reached:
+        name = max(reached, key=lambda n: reached[n]["flops_saving"]["mean"])
+        a = reached[name]
+        return (f"{name} reaches the {results['reference']} final validation loss with "
+                f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
+                f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])}), "
+                f"over {len(targets)} seed(s)")
+    name = min(others, key=lambda n: others[n]["final_val_loss"]["mean"])
+    return (f"no variant reaches the {results['reference']} final validation loss in every seed: the closest, "
+            f"{name}, ends at {others[name]['final_val_loss']['mean']:.4f} (mean) vs "
+            f"{sum(targets) / len(targets):.4f}; missed in seed(s) {', '.join(others[name]['missed_in_seeds'])}")
+
+
 def markdown(results: dict) -> str:
     """The summary over seeds, then one table per seed."""
     seeds = list(results["per_seed"])
@@ -353,10 +374,12 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
     results = {"config": str(config_path), "reference": reference, "baseline_sweep": sweep,
                "variants": aggregate(per_seed, names), "per_seed": per_seed}
+    results["headline"] = headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
-    (out_dir / "results.md").write_text(table)
+    (out_dir / "results.md").write_text(f"**{results['headline']}**\n\n{table}")
     plots = plot(results, out_dir)
+    print(f"bench: {results['headline']}\n")
     print(table)
     print(f"results: {out_dir / 'results.json'}; plots: {', '.join(str(p) for p in plots)}", flush=True)
     return results

@@ -307,3 +307,70 @@ def test_the_import_graph_sees_function_local_imports():
 def test_distributed_does_not_import_the_model_layer():
     assert not any(dep.startswith("msds.model") for dep in _import_graph()["msds.distributed"])
 
+
+
+# --- DeepSpeed 0.19.8: loading checkpoints -------------------------------------------------------
+
+class _TouchOnLoad:
+    """Unpickling it creates `marker`: a stand-in for any code a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _zero1_checkpoint(directory: Path, fp16: bool) -> Path:
+    """The files of a real checkpoint of a one-process ZeRO-1 engine (fp32, or fp16 with dynamic loss
+    scaling) over a Linear, after one step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "fp16": {"enabled": fp16, "loss_scale": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                           dist_init_required=False)
+    try:
+        engine.backward(engine(torch.randn(2, 4, dtype=torch.half if fp16 else torch.float)).sum())
+        engine.step()
+        engine.save_checkpoint(str(directory), tag="t")
+    finally:
+        engine.destroy()
+    return directory / "t"
+
+
+def test_deepspeed_checkpoints_hold_exactly_the_listed_types(tmp_path):
+    """Every class besides tensors and plain containers in real ZeRO-1 checkpoints (fp32 and fp16)
+    is one of checkpoint_types(), and each of those occurs. When a type is missing from the list,
+    resuming such checkpoints fails: add it (after checking that rebuilding it runs no code); when one
+    no longer occurs, drop it."""
+    found = set()
+    for fp16 in (False, True):
+        for path in _zero1_checkpoint(tmp_path / f"fp16-{fp16}", fp16).glob("*.pt"):
+            found.update(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    assert found == {f"{t.__module__}.{t.__qualname__}" for t in ds_compat.checkpoint_types()}
+
+
+def test_deepspeed_checkpoint_engine_runs_a_pickles_code(tmp_path):
+    """DeepSpeed's checkpoint engine unpickles a file that calls a function (the call creates a
+    file); inside checkpoint_reads_through(engine, safe_load) the same engine refuses it and nothing
+    runs, and afterwards its own method is back. When the first assertion fails DeepSpeed loads
+    safely by itself: delete checkpoint_reads_through."""
+    from msds.errors import MsdsError
+    from msds.train.checkpointing import safe_load
+
+    marker, evil = tmp_path / "code-ran", tmp_path / "evil.pt"
+    torch.save({"module": _TouchOnLoad(marker)}, evil)
+    engine, _ = _zero1_engine_after_one_step()
+    try:
+        engine.checkpoint_engine.load(str(evil))
+        assert marker.exists()
+        marker.unlink()
+        with ds_compat.checkpoint_reads_through(engine, safe_load):
+            with pytest.raises(MsdsError, match=r"evil\.pt: refuses to unpickle getattr: not a tensor checkpoint"):
+                engine.checkpoint_engine.load(str(evil), map_location="cpu")
+        assert not marker.exists()
+        assert "load" not in vars(engine.checkpoint_engine)
+    finally:
+        engine.destroy()

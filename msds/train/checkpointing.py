@@ -109,8 +109,9 @@ def find_resumable(ckpt_dir: Path, world_size: int, report) -> str | None:
 
 def _allowed_types() -> list[type]:
     """The classes a checkpoint may hold besides tensors and plain containers: DeepSpeed's records
-    (msds.compat.deepspeed_0_19.checkpoint_types) and msds's Phase, which the LR scheduler's state
-    holds (LambdaLR keeps the attributes of msds's callable curve objects)."""
+    (msds.compat.deepspeed_0_19.checkpoint_types) and msds's Phase, a record of numbers. Older
+    checkpoints hold Phase in their LR scheduler state (LambdaLR saved the attributes of the plan's
+    curve objects until msds gave it a plain function); allowing it keeps them resumable."""
     from msds.compat.deepspeed_0_19 import checkpoint_types
     from msds.plan.schedule import Phase
 
