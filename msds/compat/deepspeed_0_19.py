@@ -3,7 +3,11 @@
 - pipelines: the process groups a PipelineModule builds (reused across engines), its grid's rank
   lists and the range of layer specs this stage holds;
 - ZeRO optimizers: the torch optimizer inside DeepSpeed's wrapper, the flat tensors its state is
-  keyed by, and re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug).
+  keyed by, re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug), and which
+  parameters ZeRO manages;
+- checkpoints: the non-tensor types DeepSpeed pickles into them (the allowlist of msds's safe
+  loading) and routing `load_checkpoint`'s reads through a safe loader (0.19.8 unpickles with
+  weights_only=False).
 """
 from __future__ import annotations
 
