@@ -357,7 +357,11 @@ class LevelConfig:
     depth_layout: Literal["adjacent", "strided"] = "adjacent"
     """Layer grouping: adjacent merges consecutive layers (the paper), strided layer i with i + L/g."""
     lr: float = 0.0
-    """Peak learning rate at this level; 0 = optimizer.lr times the total width factor."""
+    """Peak learning rate at this level; 0 = optimizer.lr times the product of the hidden and layers
+    factors down to this level (4x for half width and half depth, the paper's rule). Measured at the
+    prototype scale (BENCHMARKS.md, against a tuned baseline): 4x and 2x of a tuned optimizer.lr both
+    won (21.6% / 20.0% FLOPs saved); what lost was a V-cycle whose full-size phases ran at an untuned
+    optimizer.lr, so tune optimizer.lr as for the baseline and keep this default."""
 
 
 @dataclass
@@ -383,14 +387,17 @@ class MultilevelConfig:
     budget, train the small model for 40% of it (docs/method.md §7 has the evidence)."""
     cycles: int = 1
     """How many V-cycles to run."""
-    alpha: float = 0.5
-    """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced."""
+    alpha: float = 0.75
+    """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced. 0.75 is the
+    value of every V-cycle that beat its baseline so far (docs/method.md §7); the paper used 0.25-0.5
+    with Adam reset, which lost in the first measurements."""
     optimizer_policy: Literal["map", "reset"] = "map"
     """`map`: transform Adam's moments with the same grouping and keep the step count (default:
     it decided between a 34% saving and a loss in first measurements, docs/method.md §7.2). `reset`: fresh
     optimizer state at every transition, as in the paper."""
     phase_warmup_steps: int = 10
-    """Linear warmup at the start of every phase after the first."""
+    """Linear warmup at the start of every phase after the first (10 in every measured win: mapped
+    Adam moments need only a short re-warmup)."""
     lr_schedule: Literal["phase", "run"] = "phase"
     """`phase`: every phase warms up to its level's peak and decays (cosine) over its own steps.
     `run`: one cosine over the whole run, as the baseline's, scaled by each level's peak relative to
