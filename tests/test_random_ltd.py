@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from msds.config import ConfigError, model_config
+from msds.model.roles import routed_layers
 from msds.model.transformer import Transformer, route_tokens, sdpa_mask
 from msds.plan import random_ltd
 from msds.plan.schedule import flops_per_sample
@@ -73,7 +74,7 @@ def test_routed_layers_are_all_but_first_and_last():
     for hook in hooks:
         hook.remove()
     assert calls == [(0, 16), (1, 8), (2, 8), (3, 8), (4, 16)]
-    assert random_ltd.RandomLTD.routed_layers(5) == (1, 2, 3)
+    assert routed_layers(5) == (1, 2, 3)
 
 
 def test_encoder_mask_is_the_gathered_padding_mask():

@@ -154,3 +154,8 @@ def routes_tokens(layer: int, num_layers: int) -> bool:
     every token. The model, its pipeline stages and the plan's FLOPs and LayerToken counts all ask
     here."""
     return 0 < layer < num_layers - 1
+
+
+def routed_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers random-LTD routes, in order."""
+    return tuple(i for i in range(num_layers) if routes_tokens(i, num_layers))

@@ -5,7 +5,7 @@ Every routed layer processes a random sorted subset of `r` of the S tokens of ea
 others pass it unchanged (msds/model/transformer.py does the gather / scatter). `r` follows the MSLG
 schedule (`fixed_linear`: from `min_value` to `max_value` over `require_steps`, in multiples of
 `seq_per_step`) on the global step, so it continues across level transitions. The routed layers are
-every layer but the first and the last (msds.model.roles.routes_tokens), re-derived at each level.
+every layer but the first and the last (msds.model.roles.routed_layers), re-derived at each level.
 DeepSpeed's own implementation (CUDA ops) is not used: the plan removes the section from the config
 it hands to DeepSpeed.
 """
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from msds.config import ConfigError, ModelConfig
-from msds.model.roles import routes_tokens
+from msds.model.roles import routed_layers
 
 SCHEDULE_TYPES = ("fixed_linear",)
 PATH = "training.ds_config: data_efficiency.data_routing.random_ltd"
@@ -35,13 +35,9 @@ class RandomLTD:
         value -= value % self.seq_per_step
         return max(min(value, self.max_value), min(self.seq_per_step, self.max_value))
 
-    @staticmethod
-    def routed_layers(num_layers: int) -> tuple[int, ...]:
-        return tuple(i for i in range(num_layers) if routes_tokens(i, num_layers))
-
     def layer_tokens(self, step: int, model: ModelConfig, samples: int) -> int:
         """Layer-tokens processed in one step (the LayerToken schedule's clock)."""
-        routed = len(self.routed_layers(model.num_layers))
+        routed = len(routed_layers(model.num_layers))
         return samples * (self.keep_tokens(step) * routed + self.max_value * (model.num_layers - routed))
 
 
@@ -85,7 +81,7 @@ def parse(efficiency: dict, model: ModelConfig, seq_len: int) -> RandomLTD | Non
 def _check_routed_layers(routing: dict, model: ModelConfig) -> None:
     """msds routes every layer but the first and the last; a config asking for another set is
     refused rather than silently ignored."""
-    default = list(RandomLTD.routed_layers(model.num_layers))
+    default = list(routed_layers(model.num_layers))
     layer_ids = routing.get("random_ltd_layer_id", default)
     if list(layer_ids) != default:
         raise ConfigError(f"{PATH}.random_ltd_layer_id: {layer_ids} is not supported; msds routes layers "

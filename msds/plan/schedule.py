@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from msds.config import ModelConfig
-from msds.model.roles import routes_tokens
+from msds.model.roles import routed_layers
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,12 @@ class LayerTokenCurve:
 def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: Optional[int] = None) -> float:
     """Forward + backward FLOPs of one sample (docs/method.md §5.1): 6 x matmul parameters
     per token plus the attention score and value products, 12 x attention width x sequence length per
-    token and layer. With random-LTD, the routed layers (msds.model.roles.routes_tokens) see
+    token and layer. With random-LTD, the routed layers (msds.model.roles.routed_layers) see
     `keep_tokens` tokens."""
     h, a, f = cfg.hidden_size, cfg.attention_size, cfg.ffn_size
     layer_params = 3 * a * h + a * h + 2 * f * h
     outside_layers = (h * h if cfg.arch == "bert" else 0) + cfg.vocab_size * h   # BERT transform, tied head
-    routed = sum(routes_tokens(i, cfg.num_layers) for i in range(cfg.num_layers)) if keep_tokens is not None else 0
+    routed = len(routed_layers(cfg.num_layers)) if keep_tokens is not None else 0
     kept = keep_tokens or seq_len
 
     def layer_flops(tokens: int) -> float:
