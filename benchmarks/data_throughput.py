@@ -3,8 +3,8 @@
     nice .venv/bin/python benchmarks/data_throughput.py [--cache-dir DIR] [--work-dir DIR] [--seconds S]
 
 Uses the real default corpus (downloaded into the cache on first use). Tokenization is timed on
-the whole corpus through the same `datasets.map` path `msds data prepare` uses (--num-proc
-workers); the loader is timed on `train_batches` (micro-batch 32, seq 128), which is what the
+the whole corpus through the same worker processes `msds data prepare` streams through (--num-proc
+workers, `encoded_batches`); the loader is timed on `train_batches` (micro-batch 32, seq 128), which is what the
 trainer iterates. Prints a Markdown table.
 """
 from __future__ import annotations
@@ -16,10 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from msds.data import train_batches
-from msds.data.prepare import prepare, resolve_inputs, tokenize
+from msds.data.prepare import encoded_batches, prepare, resolve_inputs
 from msds.data.sources import default_cache_dir
 from msds.data.tokenizer import build_tokenizer, parse_tokenizer_name
 
@@ -56,8 +57,9 @@ def main() -> None:
     prepare("bpe-8192", out, cache_dir=args.cache_dir, num_proc=args.num_proc, log=lambda _: None)
     prepare_seconds = time.perf_counter() - start
 
-    _, load_sources = resolve_inputs(None, None, "text", args.cache_dir)
-    texts = [doc.text for record in load_sources() for doc in record.documents]
+    _, load_sources, _ = resolve_inputs(None, None, "text", args.cache_dir)
+    records = load_sources()
+    texts = [doc.text for record in records for doc in record.read(record.skipped)]
     characters = sum(map(len, texts))
     print(f"cpu cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}, tokenizer workers: "
           f"{args.num_proc}, corpus: {len(texts)} documents, {characters / 1e6:.1f} M characters\n")
@@ -67,13 +69,14 @@ def main() -> None:
     for name in ("bpe-8192", "bert", "gpt2"):
         tokenizer = (Tokenizer.from_file(str(out / "tokenizer.json")) if name == "bpe-8192"
                      else build_tokenizer(parse_tokenizer_name(name), [], args.cache_dir))
+        dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() < 2**16 else np.uint32)
         start = time.perf_counter()
-        ids, _ = tokenize(texts, tokenizer, args.num_proc)
+        tokens = sum(len(batch[2]) for batch in encoded_batches(records, tokenizer, dtype, args.num_proc))
         seconds = time.perf_counter() - start
-        print(f"| {name} | {len(ids):,} | {seconds:.1f} | {len(ids) / seconds:,.0f} | "
+        print(f"| {name} | {tokens:,} | {seconds:.1f} | {tokens / seconds:,.0f} | "
               f"{characters / seconds / 1e6:.2f} |")
 
-    print("\n| loader (train_batches) | seq_len | micro-batch | first batch incl. verification (s) | samples/s |")
+    print("\n| loader (train_batches) | seq_len | micro-batch | first batch incl. size checks (s) | samples/s |")
     print("|---|---:|---:|---:|---:|")
     for arch in ("gpt", "bert"):
         first, rate = measure_loader(out, arch, 128, 32, args.seconds)

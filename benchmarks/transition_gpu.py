@@ -2,12 +2,14 @@
 
     python benchmarks/transition_gpu.py [--json out.json]
 
-The transition is what msds/train/transition.py does on each rank between reading the engine's
-fp32 weights and Adam moments and building the next engine: coalesce the parameters and both
-moments (down), and de-coalesce + interpolate them with the saved large state (up), for the level
-hidden/2, heads/2, FFN/2, layers/2 (BERT-Large 24L/1024H -> 12L/512H). It runs twice: on CUDA
-tensors (the fused Triton kernels: tensor_ops' default backend `auto` picks them there) and on the
-same tensors in host memory (the PyTorch path a CPU run takes).
+The transition is the operator work msds/train/transition.py streams on each rank between reading
+the engine's fp32 weights and Adam moments and building the next engine: coalesce the parameters
+and both moments a coalescing group at a time (down), and de-coalesce + interpolate them with the
+saved large state a small tensor at a time (up), for the level hidden/2, heads/2, FFN/2, layers/2
+(BERT-Large 24L/1024H -> 12L/512H); the ZeRO gathers around it are not included. It runs twice: on
+CUDA tensors (the fused Triton kernels: tensor_ops' default backend `auto` picks them there) and on
+the same tensors in host memory (the PyTorch path a CPU run takes). benchmarks/gpu_check.py reuses
+it.
 
 The training step is Hugging Face's BertForMaskedLM with BERT-Large's shapes, bf16 autocast,
 fused AdamW, at BERT's phase-1 shape (micro-batch 64 x 128 tokens) - the step a V-cycle phase
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from msds.config import model_config  # noqa: E402
 from msds.model.roles import expected_shapes  # noqa: E402
-from msds.multilevel.operators import coalesce, decoalesce, interpolate, plan_level  # noqa: E402
+from msds.multilevel.operators import (coalesce, coalesce_groups, decoalesce_interpolate,  # noqa: E402
+                                       decoalesced_names, plan_level)
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -50,21 +53,28 @@ def timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def transition_seconds(device: str, repeats: int) -> dict:
-    cfg = model_config("bert-large")
+def transition_seconds(device: str, repeats: int, cfg=None, backend: str = "auto") -> dict:
+    """Median seconds of the down and the up pass over the weights and both moments of `cfg`
+    (BERT-Large by default), streamed as msds/train/transition.py streams them."""
+    cfg = cfg or model_config("bert-large")
     level = plan_level(cfg, hidden=2, heads=2, ffn=2, layers=2)
     gen = torch.Generator().manual_seed(0)
     large = {kind: {n: torch.randn(s, generator=gen).abs().to(device) for n, s in expected_shapes(cfg).items()}
              for kind in KINDS}
-    small = {kind: coalesce(large[kind], level, kind=kind) for kind in KINDS}
+    small = {kind: coalesce(large[kind], level, kind=kind, backend=backend) for kind in KINDS}
+    groups = coalesce_groups(large["param"], level)
 
     def down():
-        for kind in KINDS:
-            coalesce(large[kind], level, kind=kind)
+        for group in groups:
+            for kind in KINDS:
+                coalesce({n: large[kind][n] for n in group}, level, kind=kind, backend=backend)
 
     def up():
-        for kind in KINDS:
-            interpolate(decoalesce(small[kind], level, kind=kind), large[kind], 0.5)
+        for name in small["param"]:
+            targets = decoalesced_names(name, level)
+            for kind in KINDS:
+                decoalesce_interpolate({name: small[kind][name]}, {n: large[kind][n] for n in targets}, level,
+                                       0.5, kind=kind, backend=backend)
 
     numel = sum(t.numel() for t in large["param"].values())
     return {"device": device, "parameters": numel, "down_s": timed(down, device, repeats),

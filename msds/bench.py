@@ -12,6 +12,9 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
   `baseline-lr2x`, `baseline-lr2x-wu48`, ...; the recipe's own setting stays `baseline`). The member
   with the lowest mean final validation loss over the seeds is the *reference*: a saving against an
   untuned baseline is not a saving.
+- `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
+  outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
+  savings and says which variants are at equal quality.
 
 Every variant of a seed trains on the same data order with the same tokens per step and the same
 evaluation points. For each seed and variant the report gives the final validation loss, the FLOPs
@@ -38,12 +41,13 @@ import torch.distributed as dist
 from msds.config import (ConfigError, OptimizerConfig, RunConfig, load_yaml, parse_overrides, run_config_from_dict,
                          set_by_path)
 from msds.distributed import launched_world_size
+from msds.eval.bench import bench_eval_settings, eval_markdown, evaluate_bench
 from msds.plan import build_plan
 from msds.train.metrics import read_metrics
 
 BASELINE = "baseline"
 CONFIG_SEEDS = "config"      # the label of a bench run without seeds: the config's own training.seed, data.seed
-BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep")
+BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep", "eval")
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -360,6 +364,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
                for label, s in zip(seed_dirs, seed_list)}
     members = list(sweep_variants(bench, list(overrides)))
     names = list(next(iter(configs.values())))
+    eval_settings = bench_eval_settings(bench, next(iter(configs.values()))[BASELINE].model.arch)
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:
@@ -374,9 +379,12 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
     results = {"config": str(config_path), "reference": reference, "baseline_sweep": sweep,
                "variants": aggregate(per_seed, names), "per_seed": per_seed}
+    if eval_settings is not None:
+        results["eval"] = evaluate_bench(seed_dirs, {label: c[BASELINE].data.path for label, c in configs.items()},
+                                         [reference] + [n for n in names if n not in members], reference, eval_settings)
     results["headline"] = headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
+    table = markdown(results) + (eval_markdown(results) if eval_settings is not None else "")
     (out_dir / "results.md").write_text(f"**{results['headline']}**\n\n{table}")
     plots = plot(results, out_dir)
     print(f"bench: {results['headline']}\n")

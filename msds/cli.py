@@ -22,12 +22,13 @@ SUBCOMMANDS = {
     "export-hf": ("msds.model.hf", "write an msds checkpoint as a Hugging Face directory"),
     "parity": ("msds.model.parity", "check msds against transformers on the real MiniLM BERT checkpoint"),
     "map": ("msds.multilevel.cli", "coalesce / de-coalesce / interpolate checkpoints offline"),
-    "data": ("msds.data.cli", "prepare tokenized corpora"),
+    "data": ("msds.data.cli", "prepare, verify and export tokenized corpora"),
     "plan": ("msds.plan.cli", "check a run config and print its phases, FLOPs and memory per rank, without training"),
     "train": ("msds.train.loop", "train a model, with or without a V-cycle, under DeepSpeed"),
     "convert-checkpoint": ("msds.train.checkpointing",
                            "turn a training checkpoint (any tensor-parallel size) into a TP=1 model checkpoint"),
     "bench": ("msds.bench", "train a baseline and V-cycle variants side by side and report the saving"),
+    "eval": ("msds.eval.cli", "evaluate a model on held-out perplexity, cloze and fine-tuning tasks"),
     "demo": ("msds.demo", "run the main job on its embedded default"),
 }
 

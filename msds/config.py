@@ -178,7 +178,15 @@ class ModelConfig:
     `gpt`: pre-LN causal decoder with a final LayerNorm. Both tie the output head to the word
     embeddings."""
     vocab_size: int = 8192
-    """Rows of the word embedding (and columns of the tied output head)."""
+    """The vocabulary: the token ids the model reads and predicts. The word embedding (and the tied
+    output head) may have more rows: see make_vocab_size_divisible_by."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the word embedding's rows to a multiple of this times parallel.tensor, as Megatron does:
+    every tensor-parallel rank then holds an equal slice, e.g. GPT-2's 50257 becomes 50304 at TP=1
+    and 50432 at TP=2 (1 = pad only as far as parallel.tensor needs). The run plan derives the
+    padded size; the padded rows start at zero, their logits are masked to -inf (never predicted, no
+    gradient), transitions leave them as they are, and exports (`<run_dir>/model`,
+    `msds convert-checkpoint`, `msds export-hf`) strip them."""
     hidden_size: int = 256
     """Width of the residual stream."""
     num_layers: int = 4
@@ -214,7 +222,8 @@ class ModelConfig:
             self.ffn_size = 4 * self.hidden_size
 
     def validate(self, path: str = "model") -> "ModelConfig":
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+        for name in ("vocab_size", "make_vocab_size_divisible_by", "hidden_size", "num_layers", "num_heads",
+                     "max_positions"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{path}.{name}: must be positive, got {getattr(self, name)}")
         if self.head_dim <= 0:
@@ -284,11 +293,28 @@ class DataConfig:
     """Where the tokenized corpus is and how samples are cut from it."""
 
     path: str = "data/default-bpe-8192"
-    """Output directory of `msds data prepare`."""
+    """Output directory of `msds data prepare`, or the prefix of a Megatron dataset (PATH.bin and
+    PATH.idx, as Megatron's preprocess_data.py writes them; see `tokenizer` and `split`)."""
     seq_len: int = 128
     """Tokens per sample (GPT windows read seq_len + 1 tokens)."""
     seed: int = 1234
     """Seeds the sample order and BERT masking; the order depends only on (seed, epoch, position)."""
+    blend: list[list[Any]] = field(default_factory=list)
+    """A weighted mix of datasets, [[weight, path], ...], each path as `path` takes it; when given,
+    `path` is not read. Samples are interleaved as megatron-core's BlendedDataset interleaves them
+    (weights need not sum to 1), deterministically and resumably (msds/data/blend.py). Every
+    dataset needs the same tokenizer."""
+    tokenizer: str = ""
+    """Megatron datasets only (they name no tokenizer): the tokenizer their ids come from, for the
+    vocabulary size and special-token ids: gpt2, bert, a tokenizer.json file, or a prepared msds
+    corpus directory that has it."""
+    split: str = "969,30,1"
+    """Megatron datasets only: train,valid,test weights cutting the documents into contiguous
+    ranges, as Megatron's --split does (e.g. 969,30,1)."""
+    sentence_order: bool = False
+    """BERT: sentence-order prediction pairs (ALBERT's SOP): half of the samples swap segments A and
+    B, and the next-sentence head (`model.nsp_head`, required) learns which; the loss, validation
+    loss included, is masked-LM plus that cross entropy."""
 
 
 @dataclass
@@ -374,7 +400,8 @@ class MultilevelConfig:
     phase_steps: list[int] = field(default_factory=list)
     """Steps of each phase, in order: level 1, 2, .., K, then K-1, .., 1 (2K - 1 phases per cycle,
     repeated for each cycle with the shared level-1 phase counted once between cycles). Leave it
-    empty to size the V-cycle from `budget_steps` instead."""
+    empty to size the V-cycle from `budget_steps` instead. A grow-only run (`start_level` K > 1) has
+    K phases: levels K, K-1, .., 1."""
     budget_steps: int = 0
     """Size the V-cycle from its baseline: it spends the FLOPs of this many full-size (level-1)
     steps, e.g. the baseline recipe's training.steps. Every phase but the last lasts its
@@ -384,9 +411,17 @@ class MultilevelConfig:
     phase_fractions: list[float] = field(default_factory=list)
     """With budget_steps: the length of every phase but the last, as fractions of budget_steps.
     Empty = the measured default for one cycle of two levels, [0.2, 0.4]: coalesce after 20% of the
-    budget, train the small model for 40% of it (docs/method.md §7 has the evidence)."""
+    budget, train the small model for 40% of it (docs/method.md §7 has the evidence). A grow-only
+    run has no default: give its first K - 1 phases."""
     cycles: int = 1
     """How many V-cycles to run."""
+    start_level: int = 1
+    """1: V-cycles that start from the full-size model. K > 1, the coarsest level (len(levels) + 1):
+    a grow-only run (docs/method.md §9): a fresh model of level K (initialised from training.seed, as
+    any fresh model) trains first, and the run only goes up, phases K, K-1, .., 1. Nothing was saved,
+    so de-coalescing is not interpolated (alpha is unused): with `depth_layout: strided` a depth
+    transition stacks the whole small model (G_stack), with `adjacent` it repeats each layer in place.
+    Needs cycles = 1."""
     alpha: float = 0.75
     """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced. 0.75 is the
     value of every V-cycle that beat its baseline so far (docs/method.md §7); the paper used 0.25-0.5
@@ -407,6 +442,11 @@ class MultilevelConfig:
     grouping); 0 = the tensor-parallel size, so transitions need no tensor-parallel communication.
     Must be a multiple of parallel.tensor. Set it explicitly to keep the same grouping (and so the
     same training) when the tensor-parallel size changes."""
+    transition_backend: Literal["auto", "torch"] = "auto"
+    """What runs the transition operators: `auto` = the fused Triton kernels (msds/multilevel/
+    backends.py) for CUDA tensors when triton is installed, PyTorch otherwise (always on a CPU);
+    `torch` = PyTorch everywhere, the reference the kernels are checked against
+    (benchmarks/gpu_check.py compares the two in training)."""
 
 
 @dataclass
@@ -421,6 +461,12 @@ class CheckpointConfig:
     """Complete checkpoints to keep (older ones are deleted)."""
     resume: Literal["auto", "never"] = "auto"
     """`auto`: continue from the latest complete checkpoint in `dir` if there is one."""
+    layout_free: bool = True
+    """Also write a layout-free copy of the training state (full fp32 weights, Adam moments, the
+    V-cycle's saved levels) into every checkpoint, so that the run can resume on another data x
+    tensor x pipeline layout (docs/cluster.md, "Coming back on fewer or more GPUs"). It adds about
+    the size of the checkpoint's optimizer state and saved levels again, and the time to gather and
+    write them; false saves that, and the checkpoint then resumes only on the layout that wrote it."""
 
 
 @dataclass

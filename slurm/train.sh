@@ -12,6 +12,11 @@
 #   4. when the launcher exits 0 but the run has not finished, `scontrol requeue` this job; a
 #      finished run is never requeued.
 #
+# Coming back on fewer (or more) nodes: submit with a node range, `sbatch --nodes=MIN-MAX`, and a
+# requeued job starts on whatever MIN..MAX nodes are free; msds resumes the checkpoint on the new
+# data-parallel size (docs/cluster.md). The global batch must stay the same: set MSDS_GLOBAL_BATCH
+# and this script derives training.grad_accum for each allocation.
+#
 # Settings (environment variables; the sbatch scripts set MSDS_RECIPE):
 #   MSDS_RECIPE          recipe YAML, relative to the submit directory or absolute (required)
 #   MSDS_OVERRIDES       extra `key=value` overrides, separated by spaces (no spaces inside a value)
@@ -26,6 +31,10 @@
 #                        the workers' `training.exit_signal` (msds default SIGUSR1).
 #   MSDS_MAX_REQUEUES    give up requeueing after this many restarts (default 20): a run that keeps
 #                        stopping without finishing is a bug to look at, not to loop on.
+#   MSDS_GLOBAL_BATCH    samples per optimizer step to keep whatever the node count: appends
+#                        training.grad_accum = MSDS_GLOBAL_BATCH / (data-parallel size x
+#                        training.micro_batch_size) for this allocation (an error if that is not a
+#                        whole number). Unset: the recipe's grad_accum, whatever the node count.
 set -euo pipefail
 
 die() { echo "msds-slurm: error: $*" >&2; exit 2; }
@@ -69,6 +78,29 @@ NNODES=${#NODES[@]}
 MASTER_ADDR=${NODES[0]}
 # A port per job: two jobs that share a node must not rendezvous with each other.
 MASTER_PORT=${MSDS_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+
+# The same global batch on any number of nodes (a requeued job may get fewer): derive the gradient
+# accumulation from the recipe and overrides for this allocation's data-parallel size.
+if [ -n "${MSDS_GLOBAL_BATCH:-}" ]; then
+    grad_accum=$("$MSDS_PYTHON" - "$MSDS_RECIPE" "$MSDS_GLOBAL_BATCH" "$((NNODES * MSDS_NPROC_PER_NODE))" \
+        "${EXTRA_OVERRIDES[@]}" <<'EOF'
+import sys
+from msds.config import load_run_config
+recipe, global_batch, world, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+cfg = load_run_config(recipe, overrides)
+model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+data = world // model_parallel
+per_step = data * cfg.training.micro_batch_size
+if world % model_parallel or global_batch % per_step:
+    sys.exit(f"MSDS_GLOBAL_BATCH={global_batch} on {world} processes: data parallel {data} (tensor "
+             f"{cfg.parallel.tensor} x pipeline {cfg.parallel.pipeline} per replica) x training.micro_batch_size "
+             f"{cfg.training.micro_batch_size} = {per_step} samples per micro-step does not divide it")
+print(global_batch // per_step)
+EOF
+    ) || die "cannot keep the global batch of MSDS_GLOBAL_BATCH=$MSDS_GLOBAL_BATCH on this allocation"
+    EXTRA_OVERRIDES+=("training.grad_accum=$grad_accum")
+    say "global batch $MSDS_GLOBAL_BATCH on $NNODES node(s): training.grad_accum=$grad_accum"
+fi
 
 # --- environment of the workers ----------------------------------------------------------
 # One CPU thread pool per worker, sized to its share of the task's CPUs (torch would otherwise

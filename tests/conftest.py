@@ -5,6 +5,10 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton runs here only under its interpreter, and reads this switch when it is first imported
+# (megatron-core imports it with msds.model.transformer): set for the whole session, so that
+# tests/test_kernels.py runs wherever it falls in the order. No other test runs a Triton kernel.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -64,6 +68,13 @@ def two_process_results(train_corpus, tmp_path_factory):
 def four_process_results(train_corpus, tmp_path_factory):
     """The 4-process checks (pipeline x data and pipeline x tensor parallelism), one launch."""
     return _launch("four", 4, train_corpus, tmp_path_factory.mktemp("dist4"))
+
+
+@pytest.fixture(scope="session")
+def launch(train_corpus):
+    """`launch(suite, processes, work)`: one launch of a suite of tests/dist/train_checks.py whose
+    runs start from files the test prepared in `work` (tests/test_relayout.py)."""
+    return lambda suite, processes, work: _launch(suite, processes, train_corpus, work)
 
 
 @pytest.fixture(scope="session")

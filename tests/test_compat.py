@@ -374,3 +374,19 @@ def test_deepspeed_checkpoint_engine_runs_a_pickles_code(tmp_path):
         assert "load" not in vars(engine.checkpoint_engine)
     finally:
         engine.destroy()
+
+
+def test_recorded_checkpoint_writes_are_the_tags_files(tmp_path):
+    """checkpoint_writes_recorded lists every file save_checkpoint writes into the tag's directory
+    (ZeRO-1: the module file and this rank's optimizer partition), and afterwards the checkpoint
+    engine's own method is back. When the sets differ, DeepSpeed writes past its checkpoint engine:
+    rank 0 hashes such files alone (msds.train.checkpointing.save), so find what lists them."""
+    engine, _ = _zero1_engine_after_one_step()
+    try:
+        with ds_compat.checkpoint_writes_recorded(engine) as written:
+            engine.save_checkpoint(str(tmp_path), tag="t", save_latest=False)
+        assert "save" not in vars(engine.checkpoint_engine)
+    finally:
+        engine.destroy()
+    on_disk = {p.resolve() for p in (tmp_path / "t").rglob("*") if p.is_file()}
+    assert len(on_disk) == 2 and {p.resolve() for p in written} == on_disk

@@ -242,13 +242,15 @@ def test_truncated_token_file_is_detected_before_training(tmp_path, data_bpe_dir
 
 
 @pytest.mark.parametrize("name", ["train.bin", "train.idx", "tokenizer.json"])
-def test_altered_file_is_detected_on_open(tmp_path, data_bpe_dir, name):
+def test_altered_file_is_found_by_data_verify(tmp_path, data_bpe_dir, name, capsys):
     corpus = _copy(data_bpe_dir, tmp_path)
+    assert main(["data", "verify", str(corpus)]) == 0
+    assert "every file matches its manifest" in capsys.readouterr().out
     data = bytearray((corpus / name).read_bytes())
     data[len(data) // 2] ^= 0x01
     (corpus / name).write_bytes(bytes(data))
-    with pytest.raises(MsdsError, match=f"{name}: sha256"):
-        train_batches(corpus, "gpt", 32, 4, seed=0, dp_rank=0, dp_size=1)
+    assert main(["data", "verify", str(corpus)]) == 2
+    assert f"{name}: sha256" in capsys.readouterr().err
 
 
 def test_manifest_token_counts_are_checked(tmp_path, data_bpe_dir):
@@ -340,7 +342,7 @@ def test_no_network_gives_the_exact_command(tmp_path, monkeypatch):
 
 def test_without_npm_the_npm_sources_are_left_out_and_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH (pip runs as sys.executable -m pip)
-    inputs, _ = resolve_inputs(None, None, "text", tmp_path / "cache")
+    inputs, _, _ = resolve_inputs(None, None, "text", tmp_path / "cache")
     assert [source["name"] for source in inputs["sources"]] == ["wiki", "shakespeare"]
     assert [part["name"] for part in inputs["left_out"]] == ["sotu", "moby_dick"]
     assert "npm is not on PATH" in inputs["left_out"][0]["reason"]

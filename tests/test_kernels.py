@@ -4,30 +4,20 @@ that tile edges are everywhere, outputs poisoned with NaN (and framed by NaN to 
 the masks), and tensor_ops' backend choice: its errors and PyTorch fallback."""
 import importlib.util
 import os
-import sys
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: it is the optional extra 'kernels' (pip install 'msds[kernels]')",
                 allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set in this process; run this "
-                "file in its own pytest process", allow_module_level=True)
-# Read by triton on import and when the kernels are defined: set for those imports, then put back so
-# that the rest of the test session (and its subprocesses) runs as it would without this file.
-_outer_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") != "1":     # triton reads it on import: tests/conftest.py sets it
+    pytest.skip("the kernels run on the CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import multilevel  # noqa: E402
 
-if _outer_interpret is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _outer_interpret
 from msds.errors import MsdsError  # noqa: E402
 from msds.multilevel import backends  # noqa: E402
 from msds.multilevel.grouping import Grouping  # noqa: E402
@@ -281,3 +271,32 @@ def test_cpu_without_the_interpreter_is_refused_for_backend_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(MsdsError, match=r"t: is on cpu; the Triton kernels run on CUDA tensors"):
         coalesce_tensor(torch.randn(4, 4), [], backend="triton")
+
+
+def test_the_streamed_transition_operators_on_the_kernels():
+    """What a transition runs per group (msds.train.transition): coalesce of a depth group and the
+    fused de-coalesce + interpolate of one small tensor, for weights and both moments, on the kernels
+    equal the PyTorch path (de-coalesce + interpolate bit for bit); `auto` keeps CPU tensors on PyTorch."""
+    from msds.config import model_config
+    from msds.model.files import model_tensors
+    from msds.model.transformer import Transformer
+    from msds.multilevel.operators import (KINDS, coalesce, coalesce_groups, decoalesce_interpolate,
+                                           decoalesced_names, plan_level)
+
+    cfg = model_config("gpt-tiny", num_layers=4, vocab_size=64)
+    level = plan_level(cfg, hidden=2, heads=2, ffn=2, layers=2)
+    large = {n: t.abs() for n, t in model_tensors(Transformer(cfg)).items()}
+    group = next(g for g in coalesce_groups(large, level) if g[0].endswith("mlp.fc1.weight"))
+    assert group == ["layers.0.mlp.fc1.weight", "layers.1.mlp.fc1.weight"]       # adjacent pair -> small layer 0
+    name = "layers.0.mlp.fc1.weight"
+    for kind in KINDS:
+        members = {n: large[n] for n in group}
+        small = coalesce(members, level, kind=kind, backend="triton")
+        reference = coalesce(members, level, kind=kind, backend="torch")
+        torch.testing.assert_close(small, reference, rtol=1e-6, atol=1e-6)
+        saved = {n: large[n] for n in decoalesced_names(name, level)}
+        got = decoalesce_interpolate({name: reference[name]}, saved, level, 0.75, kind=kind, backend="triton")
+        want = decoalesce_interpolate({name: reference[name]}, saved, level, 0.75, kind=kind, backend="torch")
+        assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    tensor, axes = large[name], [(0, Grouping(cfg.ffn_size, 2)), (1, Grouping(cfg.hidden_size, 2))]
+    assert not backends.use_kernels(tensor, axes, "auto") and backends.use_kernels(tensor, axes, "triton")

@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism: TP=2, PP=2, PP=2 x DP=2 and PP=2 x TP=2 train exactly like the
-unsplit model (V-cycle transitions included), transitions are shard-local and stage-local, TP and
-PP checkpoints convert to TP=1 and export to Hugging Face, and bad layouts are refused at startup.
+unsplit model (V-cycle transitions included), a TP=2 run with dropout resumes bit-identically, a
+vocabulary padded for TP=2 trains like the unpadded one, transitions are shard-local and stage-local,
+TP and PP checkpoints convert to TP=1 and export to Hugging Face, and bad layouts are refused at startup.
 The multi-process runs come from the launches in tests/conftest.py."""
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from msds.config import ConfigError, load_run_config, model_config
 from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
 from msds.multilevel.operators import coalesce, decoalesce, plan_level
+from msds.train.checkpointing import safe_load
 from msds.train.loop import train
 from msds.plan import build_plan
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
@@ -35,10 +37,33 @@ def test_tp2_vcycle_matches_tp1(two_process_results, one_process_losses, arch):
     assert len(tp2["summary"]["transitions"]) == 4
 
 
-def test_tp2_run_resumes_exactly(two_process_results):
+def test_tp2_run_with_dropout_resumes_exactly(two_process_results):
+    """Dropout 0.1 at TP=2: attention dropout draws from megatron's tracker stream of each rank, the
+    rest from torch's generator. A run stopped right after a transition (step 12) and resumed with
+    every generator scrambled continues with bit-identical losses: each rank's checkpoint restored
+    them all."""
+    uninterrupted = two_process_results["gpt-tp2-dropout"]["losses"]
     resumed = two_process_results["gpt-tp2-resumed"]
-    assert resumed["first"]["summary"]["state"]["step"] == 12
-    assert resumed["second"]["losses"] == two_process_results["gpt-tp2"]["losses"]
+    assert resumed["first"]["summary"]["state"]["step"] == 12 and resumed["first"]["summary"]["exited_early"]
+    assert resumed["second"]["losses"] == uninterrupted
+    # The dropout draws mattered: without dropout the same run computes other losses.
+    assert uninterrupted != two_process_results["gpt-tp2"]["losses"]
+
+
+def test_tp2_padded_vocabulary_trains_like_the_unpadded_model(two_process_results, one_process_losses):
+    """1025 tokens at TP=2 are padded to 1280 rows (128 x 2); one process with
+    make_vocab_size_divisible_by=1 has no padding at all. Same losses, and the padding rows are still
+    zero after the V-cycle's four transitions (never predicted, so never trained)."""
+    padded = two_process_results["gpt-tp2-padded"]
+    unpadded = one_process_losses("gpt", "multilevel.shards=2", *EXACT, "model.vocab_size=1025",
+                                  "model.make_vocab_size_divisible_by=1")
+    assert_same_losses(unpadded, padded["losses"])
+    assert len(padded["summary"]["transitions"]) == 4
+    ckpts = Path(padded["run_dir"]) / "checkpoints"
+    tag_dir = ckpts / (ckpts / "latest").read_text()
+    word = torch.cat([safe_load(tag_dir / f"mp_rank_0{r}_model_states.pt")["module"]["embeddings.word.weight"]
+                      for r in range(2)])
+    assert word.shape == (1280, 64) and word[:1025].abs().sum() > 0 and not word[1025:].any()
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
@@ -111,7 +136,7 @@ def test_pp2_run_resumes_exactly(two_process_results):
     assert resumed["second"]["losses"] == two_process_results["gpt-pp2"]["losses"]
 
 
-@pytest.mark.parametrize("run", ["two:gpt-tp2", "two:gpt-pp2", "four:bert-pp2-tp2"])
+@pytest.mark.parametrize("run", ["two:gpt-tp2", "two:gpt-tp2-padded", "two:gpt-pp2", "four:bert-pp2-tp2"])
 def test_parallel_checkpoint_converts_to_tp1_and_exports(two_process_results, four_process_results, tmp_path, run):
     suite, name = run.split(":")
     run_dir = (two_process_results if suite == "two" else four_process_results)[name]["run_dir"]

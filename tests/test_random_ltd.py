@@ -124,8 +124,8 @@ def test_schedule_matches_deepspeed_fixed_linear():
 def test_flops_use_the_effective_sequence_length():
     cfg = model_config("gpt-tiny", num_layers=4)
     full = flops_per_sample(cfg, 32)
-    assert flops_per_sample(cfg, 32, 32) == full
-    half = flops_per_sample(cfg, 32, 16)
+    assert flops_per_sample(cfg, 32, 32, routed=2) == full == flops_per_sample(cfg, 32, 16, routed=0)
+    half = flops_per_sample(cfg, 32, 16, routed=2)
     assert half < full
     per_layer_full = 6 * (4 * 64 * 64 + 2 * cfg.ffn_size * 64) * 32 + 12 * 64 * 32 * 32
     per_layer_half = 6 * (4 * 64 * 64 + 2 * cfg.ffn_size * 64) * 16 + 12 * 64 * 16 * 16
@@ -133,9 +133,11 @@ def test_flops_use_the_effective_sequence_length():
 
 
 @pytest.mark.parametrize("path,value,message", [
-    (["random_ltd_layer_id"], [1, 9], r"random_ltd_layer_id: \[1, 9\] is not supported; msds routes layers 1\.\.L-2 "
-                                      r"\(\[1, 2\] for model\.num_layers=4\)"),
-    (["random_ltd_layer_num"], 1, r"random_ltd_layer_num: 1 is not supported; msds routes 2 layers"),
+    (["random_ltd_layer_id"], [1, 9], r"random_ltd_layer_id: \[1, 9\] must be a non-empty list of layer indices in "
+                                      r"0\.\.3 \(model\.num_layers=4\)"),
+    (["random_ltd_layer_id"], [2, 2], r"random_ltd_layer_id: \[2, 2\] names a layer twice"),
+    (["random_ltd_layer_num"], 1, r"random_ltd_layer_num: 1, but random_ltd_layer_id lists 2 layer\(s\) \(\[1, 2\]\); "
+                                  r"set it to 2"),
     (["random_ltd_schedule", "min_value"], 64, r"min_value: 64 must be in 1\.\.32"),
     (["random_ltd_schedule", "schedule_type"], "fixed_root", r"schedule_type: 'fixed_root' is not implemented"),
     (["total_layer_num"], 6, r"total_layer_num: 6, but model.num_layers is 4"),
@@ -183,8 +185,59 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     by_layer_tokens = plan.lr_curves[0]
     assert by_layer_tokens(10) < lr_multiplier(phase, 10, cfg.optimizer.min_lr_ratio)
     assert by_layer_tokens(100) == pytest.approx(lr_multiplier(phase, 100, cfg.optimizer.min_lr_ratio))
-    # Under one run-long cosine the LayerToken clock is not applied yet: refused, not ignored.
-    with pytest.raises(ConfigError, match=r"^multilevel\.lr_schedule: `run` does not apply random-LTD's "
-                                          r"layer_token_lr_schedule"):
-        build_plan(load_run_config("recipes/test-vcycle-gpt.yaml", [
-            f"data.path={train_corpus}", "multilevel.lr_schedule=run", f"training.ds_config={tmp_path / 'ds.json'}"]))
+
+
+def test_layer_token_lr_schedule_under_one_run_long_cosine(tmp_path):
+    """`lr_schedule: run` keeps the LayerToken clock: the run-long cosine advances with the layer-tokens
+    the whole run consumes, each level counting its own layers and routed layers (a V-cycle's small
+    levels, with fewer layers, move it less per step), and meets the step clock at the end of the run."""
+    from msds.config import load_run_config
+    from msds.plan import build_plan
+    from msds.plan.schedule import Phase, lr_multiplier
+
+    ds = json.loads(open("ds_configs/zero1.json").read())
+    ds.update(copy.deepcopy(DS_LTD))
+    ds["data_efficiency"]["data_routing"]["random_ltd"]["layer_token_lr_schedule"] = {"enabled": True}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    recipe = "recipes/test-vcycle-gpt.yaml"
+    plan = build_plan(load_run_config(recipe, ["multilevel.lr_schedule=run",
+                                               f"training.ds_config={tmp_path / 'ds.json'}"]))
+    by_steps = build_plan(load_run_config(recipe, ["multilevel.lr_schedule=run"]))
+    cfg, total = plan.config, plan.total_steps
+    whole_run = Phase(0, 1, total, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)
+    level_of = [p.level for p in plan.phases for _ in range(p.steps)]
+    consumed = [0]
+    for step, level in enumerate(level_of):
+        routed, layers = len(plan.routed_layers(level)), plan.model(level).num_layers
+        consumed.append(consumed[-1] + plan.samples_per_step * (plan.keep_tokens(step) * routed
+                                                                + 32 * (layers - routed)))
+    for phase, curve in zip(plan.phases, plan.lr_curves):
+        for k in range(phase.steps):
+            rewarm = 1.0 if phase.index == 0 else min(1.0, (k + 1) / phase.warmup_steps)
+            clock = consumed[phase.start_step + k] / consumed[-1] * total
+            assert curve(k) == pytest.approx(rewarm * lr_multiplier(whole_run, clock, cfg.optimizer.min_lr_ratio))
+    assert plan.routed_layers(1) == (1, 2) and plan.routed_layers(2) == plan.routed_layers(3) == ()
+    assert plan.lr_curves[2](3) != pytest.approx(by_steps.lr_curves[2](3))    # not the step clock
+    last = plan.phases[-1]
+    assert plan.lr_curves[-1](last.steps) == pytest.approx(by_steps.lr_curves[-1](last.steps))
+
+
+def test_routed_layers_follow_the_keys_down_the_levels():
+    """A coarser level routes a layer when every layer merged into it is routed; width-only levels
+    keep the set (docs/method.md §6)."""
+    from msds.multilevel import plan_level
+
+    cfg = model_config("gpt-tiny", num_layers=8)
+    pairs = plan_level(cfg, layers=2)                                      # {0, 1}, {2, 3}, ...
+    narrow = plan_level(pairs.small, hidden=2, heads=2, ffn=2)             # width only
+    stacked = plan_level(narrow.small, layers=2, depth_layout="strided")   # {0, 2}, {1, 3}
+    efficiency = copy.deepcopy(DS_LTD["data_efficiency"])
+    routing = efficiency["data_routing"]["random_ltd"]
+    routing.update(total_layer_num=8, random_ltd_layer_id=[6, 1, 2, 3, 5, 4], random_ltd_layer_num=6)
+    ltd = random_ltd.parse(efficiency, cfg, 32, (pairs, narrow, stacked))
+    assert [ltd.routed(k) for k in (1, 2, 3, 4)] == [(1, 2, 3, 4, 5, 6), (1, 2), (1, 2), ()]
+    routing.update(random_ltd_layer_id=[0, 1, 4, 5, 7], random_ltd_layer_num=5)
+    ltd = random_ltd.parse(efficiency, cfg, 32, (pairs, narrow, stacked))
+    assert [ltd.routed(k) for k in (1, 2, 3, 4)] == [(0, 1, 4, 5, 7), (0, 2), (0, 2), (0,)]
+    # The FLOPs and the LayerToken clock count each level's own routed layers.
+    assert ltd.layer_tokens(0, 4, stacked.small, 2) == 2 * (ltd.keep_tokens(0) * 1 + 32 * 1)

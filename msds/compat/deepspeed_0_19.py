@@ -6,12 +6,13 @@
   keyed by, re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug), and which
   parameters ZeRO manages;
 - checkpoints: the non-tensor types DeepSpeed pickles into them (the allowlist of msds's safe
-  loading) and routing `load_checkpoint`'s reads through a safe loader (0.19.8 unpickles with
-  weights_only=False).
+  loading), routing `load_checkpoint`'s reads through a safe loader (0.19.8 unpickles with
+  weights_only=False), and recording which files `save_checkpoint` wrote on this rank.
 """
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import deepspeed.comm as ds_comm
 import torch
@@ -122,6 +123,18 @@ def is_zero_managed(param) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
+def full_shape(param) -> torch.Size:
+    """A parameter's shape, also when a model built under `deepspeed.zero.Init` holds only this
+    rank's partition of it (its `.shape` is then empty; ZeRO-3 keeps the real one in `ds_shape`).
+
+    Why: msds sorts parameters into weight-decay groups by their dimensions, and a transition under
+    ZeRO 3 builds the new model partitioned (msds.train.engine.build_engine). Replace when DeepSpeed
+    exposes the shape publicly; tests/test_transition.py::
+    test_streamed_transitions_install_the_whole_model_operators fails (decay groups differ) when the
+    attribute moves."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def checkpoint_types() -> list[type]:
     """The classes, other than tensors and plain containers, that DeepSpeed 0.19.8 pickles into the
     checkpoint files msds resumes from and converts: ZeRO's stage enum and parameter fragment
@@ -157,3 +170,31 @@ def checkpoint_reads_through(engine, load):
         yield
     finally:
         del checkpoint_engine.load          # the class's method shows through again
+
+
+@contextlib.contextmanager
+def checkpoint_writes_recorded(engine):
+    """Within it, every file the engine's checkpoint engine writes (module, optimizer, ZeRO
+    partitions, pipeline layers: all `save_checkpoint` writes into the tag's directory) is appended,
+    once written, to the list it yields (its `save` method is wrapped on that one instance, and put
+    back on the way out). DeepSpeed's default checkpoint engine writes synchronously (torch.save):
+    a file in the list is complete.
+
+    Why: msds hashes each checkpoint file on the rank that wrote it (msds.train.checkpointing.save),
+    and DeepSpeed 0.19.8 does not say which files a rank wrote. Replace when it does;
+    tests/test_compat.py::test_recorded_checkpoint_writes_are_the_tags_files fails when
+    save_checkpoint writes a file into the tag's directory past the checkpoint engine (rank 0 then
+    hashes it for the manifest anyway)."""
+    checkpoint_engine = engine.checkpoint_engine
+    save = checkpoint_engine.save
+    written: list[Path] = []
+
+    def recorded(state_dict, path):
+        save(state_dict, path)
+        written.append(Path(path))
+
+    checkpoint_engine.save = recorded
+    try:
+        yield written
+    finally:
+        del checkpoint_engine.save          # the class's method shows through again

@@ -1,18 +1,28 @@
-"""The data pipeline: `msds data prepare` writes verified memory-mapped token files; this package
-turns them into GPT / BERT masked-LM batches in a resumable, data-parallel-sharded order.
+"""The data pipeline: `msds data prepare` writes memory-mapped token files; this package turns them
+(or Megatron `.bin`/`.idx` datasets, or a weighted blend of either) into GPT / BERT batches in a
+resumable, data-parallel-sharded order.
 
 Trainer-facing API:
     load_tokenizer_info(data_dir) -> TokenizerInfo
-    open_split(data_dir, split) -> TokenDataset        (verifies the manifest's sha256s and counts)
+    open_split(data_dir, split) -> TokenDataset        (checks sizes and counts against the manifest)
     build_samples(dataset, arch, seq_len, seed, tokenizer_info) -> Samples
     ResumableSampler(num_samples, seed, dp_rank, dp_size, consumed_samples=0)
-    train_batches(data_dir, arch, seq_len, micro_batch_size, seed, dp_rank, dp_size, consumed_samples=0)
-    eval_batches(data_dir, split, arch, seq_len, batch_size, max_batches, seed=0)
-"""
-from msds.data.indexed import TokenDataset, load_tokenizer_info, open_split
-from msds.data.loader import ResumableSampler, eval_batches, train_batches
-from msds.data.samples import Samples, build_samples
-from msds.data.tokenizer import TokenizerInfo
+    train_batches(data, arch, seq_len, micro_batch_size, seed, dp_rank, dp_size, consumed_samples=0)
+    eval_batches(data, split, arch, seq_len, batch_size, max_batches, seed=0)
 
-__all__ = ["TokenizerInfo", "load_tokenizer_info", "TokenDataset", "open_split", "Samples", "build_samples",
-           "ResumableSampler", "train_batches", "eval_batches"]
+The names are imported on first use (PEP 562), so that the tokenizer worker processes of
+`msds data prepare` import numpy and tokenizers only, not torch.
+"""
+import importlib
+
+_HOMES = {"TokenDataset": "indexed", "load_tokenizer_info": "indexed", "open_split": "indexed",
+          "ResumableSampler": "loader", "eval_batches": "loader", "train_batches": "loader",
+          "Samples": "samples", "build_samples": "samples", "TokenizerInfo": "tokenizer"}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"msds.data.{_HOMES[name]}"), name)

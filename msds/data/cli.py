@@ -1,4 +1,4 @@
-"""`msds data prepare`: registered with the top-level CLI through `add_parser`."""
+"""`msds data prepare | verify | export-megatron`: registered with the top-level CLI through `add_parser`."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,21 @@ def add_parser(subparsers, name: str, doc: str) -> None:
     prep.add_argument("--num-proc", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
                       help="tokenizer worker processes (default: %(default)s)")
     prep.set_defaults(run=_run_prepare)
+    verify = commands.add_parser(
+        "verify", help="check every file of a prepared corpus against its manifest's sha256s",
+        description="Hash every file of DIR and check it against the manifest (sha256, size, token and "
+                    "document counts). Training ranks check sizes and counts only, so run this once "
+                    "after copying a corpus.")
+    verify.add_argument("dir", metavar="DIR", help="a directory written by `msds data prepare`")
+    verify.set_defaults(run=_run_verify)
+    export = commands.add_parser(
+        "export-megatron", help="write a prepared corpus as Megatron .bin/.idx datasets, one per split",
+        description="Write each split of DIR as the Megatron dataset OUT/<split> (OUT/<split>.bin and "
+                    ".idx), readable by megatron-core's IndexedDataset; each document is one sequence "
+                    "ending with its separator token, as preprocess_data.py --append-eod writes it.")
+    export.add_argument("dir", metavar="DIR", help="a directory written by `msds data prepare`")
+    export.add_argument("--out", required=True, metavar="OUT", help="output directory")
+    export.set_defaults(run=_run_export)
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
@@ -38,4 +53,21 @@ def _run_prepare(args: argparse.Namespace) -> int:
         raise MsdsError(f"--num-proc {args.num_proc}: must be at least 1")
     prepare(args.tokenizer, args.out, text_files=args.text_files, jsonl=args.jsonl,
             field=args.field or "text", cache_dir=args.cache_dir, num_proc=args.num_proc)
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from msds.data.indexed import verify_corpus
+
+    for line in verify_corpus(args.dir):
+        print(line)
+    print(f"{args.dir}: every file matches its manifest")
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from msds.data.megatron import export_megatron
+
+    for prefix in export_megatron(args.dir, args.out):
+        print(f"wrote {prefix}.bin and {prefix}.idx")
     return 0

@@ -3,8 +3,9 @@
 The global sample stream is epoch after epoch, each a permutation of all samples drawn from
 (seed, epoch). Global position g is sample perm_{g // N}[g % N] of epoch g // N. Data-parallel rank
 r takes the positions g with g % dp_size == r, so the ranks together consume the stream in order,
-and a run that has consumed C global samples resumes every rank exactly at position C.
-Batches are built in the main process with vectorized numpy (see samples.py), which is far faster
+and a run that has consumed C global samples resumes every rank exactly at position C. A blend of
+datasets (`data.blend`) is visited in the order of msds.data.blend's `BlendedSampler`, resumable in
+the same way. Batches are built in the main process with vectorized numpy (see samples.py), which is far faster
 than the small CPU models train, so no worker processes are needed.
 """
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
+import torch
 
-from msds.data.indexed import load_tokenizer_info, open_split
+from msds.data.blend import BlendedSampler, DataSpec, open_dataset, tokenizer_info
 from msds.data.samples import Samples, build_samples
 from msds.errors import MsdsError
 
@@ -49,35 +51,67 @@ class ResumableSampler:
             position += self.dp_size
 
 
-def _split_samples(data_dir, split: str, arch: str, seq_len: int, seed: int) -> Samples:
-    return build_samples(open_split(data_dir, split), arch, seq_len, seed, load_tokenizer_info(data_dir))
+def _split_samples(spec: DataSpec, split: str, arch: str, seq_len: int, seed: int) -> list[Samples]:
+    """Each dataset's samples of `split`; a blend's dataset d uses seed + d."""
+    info = tokenizer_info(spec)
+    return [build_samples(open_dataset(spec, number, split), arch, seq_len, seed + number, info,
+                          spec.sentence_order) for number in range(len(spec.entries))]
 
 
-def train_batches(data_dir, arch: str, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int,
+def train_batches(data, arch: str, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int,
                   dp_size: int, consumed_samples: int = 0) -> Iterator[dict]:
     """Endless micro-batches of this rank's share of the train split, resumable from a sample count.
 
-    The files are verified when this is called, before the first batch is requested.
+    `data` is a DataConfig (its path or blend) or the path of one dataset. The files' sizes and
+    counts are checked when this is called, before the first batch is requested.
     """
     if micro_batch_size < 1:
         raise MsdsError(f"micro_batch_size {micro_batch_size}: must be at least 1")
-    samples = _split_samples(data_dir, "train", arch, seq_len, seed)
-    sampler = ResumableSampler(len(samples), seed, dp_rank, dp_size, consumed_samples)
-    return _batches(samples, iter(sampler), micro_batch_size)
+    spec = DataSpec.of(data)
+    samples = _split_samples(spec, "train", arch, seq_len, seed)
+    if len(samples) == 1:
+        sampler = ResumableSampler(len(samples[0]), seed, dp_rank, dp_size, consumed_samples)
+        stream = ((0, epoch, index) for epoch, index in sampler)
+    else:
+        stream = iter(BlendedSampler(spec.weights, [len(s) for s in samples], seed, dp_rank, dp_size,
+                                     consumed_samples))
+    return _batches(samples, stream, micro_batch_size)
 
 
-def _batches(samples: Samples, stream: Iterator[tuple[int, int]], batch_size: int) -> Iterator[dict]:
+def _batches(samples: list[Samples], stream: Iterator[tuple[int, int, int]], batch_size: int) -> Iterator[dict]:
     while True:
-        epochs, indices = zip(*(next(stream) for _ in range(batch_size)))
-        yield samples.get_batch(indices, epochs)
+        yield _mixed_batch(samples, [next(stream) for _ in range(batch_size)])
 
 
-def eval_batches(data_dir, split: str, arch: str, seq_len: int, batch_size: int, max_batches: int | None,
+def _mixed_batch(samples: list[Samples], picks: list[tuple[int, int, int]]) -> dict:
+    """The batch of (dataset, epoch, index) picks, rows in the order given."""
+    datasets = np.array([d for d, _, _ in picks])
+    parts, rows = [], []
+    for dataset in np.unique(datasets):
+        members = np.flatnonzero(datasets == dataset)
+        parts.append(samples[dataset].get_batch([picks[m][2] for m in members], [picks[m][1] for m in members]))
+        rows.append(members)
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.from_numpy(np.argsort(np.concatenate(rows)))
+    return {key: torch.cat([part[key] for part in parts])[order] for key in parts[0]}
+
+
+def eval_batches(data, split: str, arch: str, seq_len: int, batch_size: int, max_batches: int | None,
                  seed: int = 0) -> list[dict]:
-    """The first `max_batches` batches (all when None) of `split`, in order: the same on every call."""
+    """The first `max_batches` batches (all when None) of `split`, in order: the same on every call.
+    A blend's are its datasets' samples in order (epoch 0), interleaved by the blend's weights."""
     if batch_size < 1:
         raise MsdsError(f"batch_size {batch_size}: must be at least 1")
-    samples = _split_samples(data_dir, split, arch, seq_len, seed)
-    count = len(samples) if max_batches is None else min(len(samples), batch_size * max_batches)
-    return [samples.get_batch(np.arange(start, min(start + batch_size, count)), 0)
+    spec = DataSpec.of(data)
+    samples = _split_samples(spec, split, arch, seq_len, seed)
+    total = sum(map(len, samples))
+    count = total if max_batches is None else min(total, batch_size * max_batches)
+    if len(samples) == 1:
+        picks = [(0, 0, index) for index in range(count)]
+    else:
+        blend = BlendedSampler(spec.weights, [len(s) for s in samples], seed, 0, 1)
+        located = (blend.locate(position) for position in range(count))
+        picks = [(dataset, 0, k % len(samples[dataset])) for dataset, k in located]
+    return [_mixed_batch(samples, picks[start:min(start + batch_size, count)])
             for start in range(0, count, batch_size)]

@@ -9,7 +9,10 @@ point into segments A and B, and lays them out as [CLS] A [SEP] B [SEP] with tok
 Masked-LM as in BERT: each ordinary token is chosen with probability 15%; a chosen token becomes
 [MASK] 80% of the time, a uniformly random vocabulary id 10%, and stays unchanged 10%; labels hold
 the original id at chosen positions and -100 elsewhere. At least one token per sample is chosen, so
-the mean loss is always defined.
+the mean loss is always defined. With `sentence_order` (ALBERT's sentence-order prediction, on
+segments cut at a token rather than a sentence boundary), half of the samples, drawn by the hash,
+swap the segments into [CLS] B [SEP] A [SEP], with `next_sentence_labels` 1 (0: in order), which
+the model's next-sentence head learns to tell apart.
 
 The random numbers come from a counter-based hash of (seed, epoch, index, position, stream), not
 from a stateful generator, so any sample can be rebuilt alone and whole batches are computed with a
@@ -33,7 +36,7 @@ RANDOM_TOKEN_SHARE = 0.1
 IGNORE_INDEX = -100
 
 # Independent random streams of the BERT sample.
-_CUT, _CHOOSE, _ACTION, _RANDOM_TOKEN = range(4)
+_CUT, _CHOOSE, _ACTION, _RANDOM_TOKEN, _SWAP = range(5)
 _UINT64 = np.uint64
 
 
@@ -64,6 +67,7 @@ class Samples:
     seq_len: int
     seed: int
     tokenizer_info: TokenizerInfo
+    sentence_order: bool = False
 
     @property
     def stride(self) -> int:
@@ -96,10 +100,17 @@ class Samples:
     def _masked_lm(self, indices: np.ndarray, epochs: np.ndarray) -> dict[str, torch.Tensor]:
         info, length, body_len = self.tokenizer_info, self.seq_len, self.stride
         body = self._windows(indices, body_len)
-        # Segment A = body[:cut], B = body[cut:], both non-empty.
+        # Segment A = body[:cut], B = body[cut:], both non-empty; the first laid out is A, or B when
+        # swapped, and `cut` becomes the first segment's length.
         cut = 1 + (uniform(self.seed, epochs, indices, 1, _CUT)[:, 0] * (body_len - 1)).astype(np.int64)
+        swapped = np.zeros(len(indices), dtype=bool)
+        if self.sentence_order:
+            swapped = uniform(self.seed, epochs, indices, 1, _SWAP)[:, 0] < 0.5
+        first_start, second_start = np.where(swapped, cut, 0), np.where(swapped, 0, cut)
+        cut = np.where(swapped, body_len - cut, cut)
         position = np.arange(length)[None, :]
-        source = np.where(position <= cut[:, None], position - 1, position - 2).clip(0, body_len - 1)
+        source = np.where(position <= cut[:, None], first_start[:, None] + position - 1,
+                          second_start[:, None] + position - cut[:, None] - 2).clip(0, body_len - 1)
         input_ids = np.take_along_axis(body, source, axis=1)
         input_ids[:, 0] = info.cls_id
         input_ids[np.arange(len(indices)), cut + 1] = info.sep_id
@@ -123,14 +134,18 @@ class Samples:
         to_mask = chosen & (action < MASK_TOKEN_SHARE)
         to_random = chosen & (action >= MASK_TOKEN_SHARE) & (action < MASK_TOKEN_SHARE + RANDOM_TOKEN_SHARE)
         input_ids = np.where(to_mask, info.mask_id, np.where(to_random, random_ids, input_ids))
-        return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
-                "attention_mask": torch.ones(input_ids.shape, dtype=torch.int64),
-                "labels": torch.from_numpy(labels)}
+        batch = {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
+                 "attention_mask": torch.ones(input_ids.shape, dtype=torch.int64),
+                 "labels": torch.from_numpy(labels)}
+        if self.sentence_order:
+            batch["next_sentence_labels"] = torch.from_numpy(swapped.astype(np.int64))
+        return batch
 
 
 def build_samples(dataset: TokenDataset, arch: str, seq_len: int, seed: int,
-                  tokenizer_info: TokenizerInfo) -> Samples:
-    """GPT windows or BERT masked-LM samples over `dataset`; MsdsError when they cannot be built."""
+                  tokenizer_info: TokenizerInfo, sentence_order: bool = False) -> Samples:
+    """GPT windows or BERT masked-LM samples (with sentence-order pairs when `sentence_order`) over
+    `dataset`; MsdsError when they cannot be built."""
     if arch not in ("bert", "gpt"):
         raise MsdsError(f"arch {arch!r}: expected 'bert' or 'gpt'")
     minimum = 2 if arch == "gpt" else 5  # BERT: [CLS] a [SEP] b [SEP]
@@ -141,7 +156,9 @@ def build_samples(dataset: TokenDataset, arch: str, seq_len: int, seed: int,
         if missing:
             raise MsdsError(f"the corpus's tokenizer has no {', '.join(missing)} for BERT masked-LM; "
                             f"prepare it with --tokenizer bert, wordpiece-N or bpe-N")
-    samples = Samples(dataset, arch, seq_len, seed, tokenizer_info)
+    if sentence_order and arch != "bert":
+        raise MsdsError("sentence_order: sentence-order pairs exist for BERT samples only")
+    samples = Samples(dataset, arch, seq_len, seed, tokenizer_info, sentence_order)
     if len(samples) == 0:
         raise MsdsError(f"split {dataset.split} has {dataset.num_tokens} tokens, too few for one "
                         f"{arch} sample of seq_len {seq_len}; use a shorter seq_len or a larger corpus")

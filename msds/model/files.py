@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from msds.config import ConfigError, ModelConfig, from_dict, to_dict
 from msds.errors import MsdsError
-from msds.model.roles import expected_shapes
+from msds.model.roles import VOCABULARY_ROWS, expected_shapes
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -64,6 +64,12 @@ def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: st
         if tuple(tensors[name].shape) != shape:
             raise MsdsError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
                             f"expected {shape} from the config")
+
+
+def without_vocab_padding(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (full, TP=1) with the vocabulary axis cut to cfg.vocab_size: a trained model's
+    padding rows (msds.plan.RunPlan.padded_vocab_size) are dropped; unpadded tensors pass unchanged."""
+    return {name: t[:cfg.vocab_size] if name in VOCABULARY_ROWS else t for name, t in tensors.items()}
 
 
 def save_model(out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *,

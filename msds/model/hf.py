@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from msds.model.files import atomic_directory, check_tensors, load_model, save_model
+from msds.model.files import atomic_directory, check_tensors, load_model, save_model, without_vocab_padding
 from msds.config import ConfigError, ModelConfig, model_config
 from msds.errors import MsdsError
 
@@ -287,7 +287,9 @@ def _fresh_bert_head(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def write_hf(out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *,
              overwrite: bool = False) -> Path:
-    """Write `config.json` + `model.safetensors` that transformers' `from_pretrained` loads."""
+    """Write `config.json` + `model.safetensors` that transformers' `from_pretrained` loads.
+    `tensors` may hold a trained model's vocabulary padding: it is not exported."""
+    tensors = without_vocab_padding(cfg, tensors)
     check_tensors(cfg, tensors, "export")
     hf_config = config_to_hf(cfg)
     hf = (bert_to_hf if cfg.arch == "bert" else gpt_to_hf)(tensors, cfg)

@@ -33,8 +33,9 @@ from megatron.core import parallel_state
 
 from msds.compat import deepspeed_0_19 as ds_compat
 from msds.config import ModelConfig
+from msds.model.roles import routed_layers as default_routed_layers
 from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, init_seed,
-                                    megatron_config, route_tokens, routes_tokens, sdpa_mask, token_loss,
+                                    megatron_config, route_tokens, sdpa_mask, token_loss,
                                     unit_rng)
 
 TIED_WORD = "word"
@@ -48,9 +49,9 @@ class Routing:
 
 
 class PipeWordEmbedding(WordEmbedding):
-    def __init__(self, cfg: ModelConfig, seed: int):
+    def __init__(self, cfg: ModelConfig, seed: int, padded_vocab_size: int):
         with unit_rng(seed, "embeddings.word"):
-            super().__init__(cfg, megatron_config(cfg))
+            super().__init__(cfg, megatron_config(cfg), padded_vocab_size)
 
     def forward(self, inputs):
         input_ids, *rest = inputs
@@ -75,12 +76,12 @@ class PipeEmbeddings(Embeddings):
 
 
 class PipeBlock(Block):
-    def __init__(self, cfg: ModelConfig, index: int, seed: int, routing: Routing):
+    def __init__(self, cfg: ModelConfig, index: int, seed: int, routing: Routing, routable: bool):
         with unit_rng(seed, f"layers.{index}"):
             super().__init__(cfg, megatron_config(cfg))
         self.arch = cfg.arch
         self.routing = routing
-        self.routable = routes_tokens(index, cfg.num_layers)
+        self.routable = routable
 
     def forward(self, inputs):
         # With tensor parallelism DeepSpeed partitions the activations sent between stages and
@@ -96,9 +97,9 @@ class PipeBlock(Block):
 
 
 class PipeHead(LMHead):
-    def __init__(self, cfg: ModelConfig, seed: int):
+    def __init__(self, cfg: ModelConfig, seed: int, padded_vocab_size: int):
         with unit_rng(seed, "head"):
-            super().__init__(cfg, megatron_config(cfg))
+            super().__init__(cfg, megatron_config(cfg), padded_vocab_size)
 
     def forward(self, inputs):
         h, word_weight = inputs
@@ -113,20 +114,23 @@ def unit_prefixes(cfg: ModelConfig) -> list[Optional[str]]:
 
 class PipelineTransformer(PipelineModule):
     """This process's stage of the pipeline over megatron-core's parallel state (pipeline, tensor
-    and data parallel sizes). `seed` as for Transformer."""
+    and data parallel sizes). `seed`, `padded_vocab_size` and `routed_layers` as for Transformer."""
 
-    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None, padded_vocab_size: Optional[int] = None,
+                 routed_layers: Optional[tuple[int, ...]] = None):
         cfg.validate()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         seed = init_seed() if seed is None else seed
+        vocab = padded_vocab_size or cfg.vocab_size
         routing = Routing()
+        routed = default_routed_layers(cfg.num_layers) if routed_layers is None else routed_layers
         # In unit_prefixes' order: that list names each spec's parameters.
-        specs = [TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, tied_weight_attr="weight"),
+        specs = [TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, vocab, tied_weight_attr="weight"),
                  LayerSpec(PipeEmbeddings, cfg, seed),
-                 *(LayerSpec(PipeBlock, cfg, i, seed, routing) for i in range(cfg.num_layers)),
-                 TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, forward_fn=_hand_over_weight,
+                 *(LayerSpec(PipeBlock, cfg, i, seed, routing, i in routed) for i in range(cfg.num_layers)),
+                 TiedLayerSpec(TIED_WORD, PipeWordEmbedding, cfg, seed, vocab, forward_fn=_hand_over_weight,
                                tied_weight_attr="weight"),
-                 LayerSpec(PipeHead, cfg, seed)]
+                 LayerSpec(PipeHead, cfg, seed, vocab)]
         # DeepSpeed's axes (pipe, data, model) are megatron's order (pipeline slowest, tensor fastest).
         topology = PipeModelDataParallelTopology(
             num_pp=stages, num_mp=parallel_state.get_tensor_model_parallel_world_size(),

@@ -116,6 +116,11 @@ TENSOR_PARALLEL_DIM = {
 }
 
 
+# The parameters whose first axis is the vocabulary. In training it has the run plan's padded size
+# (RunPlan.padded_vocab_size); model checkpoints and exports hold the first cfg.vocab_size rows.
+VOCABULARY_ROWS = ("embeddings.word.weight", "head.bias")
+
+
 def tensor_parallel_dim(name: str) -> Optional[int]:
     """The axis of parameter `name` that tensor parallelism splits, or None if it is replicated."""
     for suffix, dim in TENSOR_PARALLEL_DIM.items():
@@ -149,13 +154,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def routes_tokens(layer: int, num_layers: int) -> bool:
-    """Whether random-LTD routes layer `layer`: every layer but the first and the last, which see
-    every token. The model, its pipeline stages and the plan's FLOPs and LayerToken counts all ask
-    here."""
-    return 0 < layer < num_layers - 1
-
-
 def routed_layers(num_layers: int) -> tuple[int, ...]:
-    """The layers random-LTD routes, in order."""
-    return tuple(i for i in range(num_layers) if routes_tokens(i, num_layers))
+    """The layers random-LTD routes unless its `random_ltd_layer_id` says otherwise, in order: every
+    layer but the first and the last, which see every token. The model's default; a run's, per
+    level, are the plan's (msds.plan.RunPlan.routed_layers)."""
+    return tuple(range(1, num_layers - 1))

@@ -23,7 +23,7 @@ from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
 from torch import nn
 
 from msds.config import ModelConfig
-from msds.model.roles import routes_tokens
+from msds.model.roles import routed_layers as default_routed_layers
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
     from apex.normalization import FusedLayerNorm as LayerNorm
@@ -62,12 +62,23 @@ def unit_rng(seed: int, unit: str):
         yield
 
 
-class WordEmbedding(tensor_parallel.VocabParallelEmbedding):
-    """The (vocab-parallel) word embeddings, which the output layer reuses as its weight."""
+def _vocab_init(std: float, vocab_size: int):
+    """Normal rows for the vocabulary, zero rows for the padding after it: the vocabulary's rows come
+    out as in an unpadded model with the same seed, and the padding stays zero in training (its
+    logits are masked, so no gradient reaches it, and weight decay keeps zero at zero)."""
+    def init(weight):
+        nn.init.normal_(weight[:vocab_size], mean=0.0, std=std)
+        nn.init.zeros_(weight[vocab_size:])
+    return init
 
-    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
-        super().__init__(cfg.vocab_size, cfg.hidden_size, init_method=_normal_init(cfg.init_std), config=mp,
-                         tp_group=parallel_state.get_tensor_model_parallel_group())
+
+class WordEmbedding(tensor_parallel.VocabParallelEmbedding):
+    """The (vocab-parallel) word embeddings, which the output layer reuses as its weight:
+    `padded_vocab_size` rows, the first cfg.vocab_size of them the vocabulary's."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, padded_vocab_size: int):
+        super().__init__(padded_vocab_size, cfg.hidden_size, init_method=_vocab_init(cfg.init_std, cfg.vocab_size),
+                         config=mp, tp_group=parallel_state.get_tensor_model_parallel_group())
 
 
 def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -198,16 +209,19 @@ class Block(nn.Module):
 
 class LMHead(nn.Module):
     """Output head tied to the word embeddings. GPT: final LayerNorm. BERT: MLM transform (dense,
-    GELU, LayerNorm) and a vocabulary bias, plus the optional pooler and next-sentence classifier."""
+    GELU, LayerNorm) and a vocabulary bias, plus the optional pooler and next-sentence classifier.
+    The logits of the padding rows (`padded_vocab_size` beyond cfg.vocab_size) are -inf."""
 
-    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig):
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, padded_vocab_size: int):
         super().__init__()
         self.arch = cfg.arch
+        vocab_per_rank = padded_vocab_size // mp.tensor_model_parallel_size
+        # Index, within this rank's slice, of the first padding column (>= the slice: none here).
+        self.first_padding = cfg.vocab_size - parallel_state.get_tensor_model_parallel_rank() * vocab_per_rank
         if cfg.arch == "bert":
             self.transform = nn.Linear(cfg.hidden_size, cfg.hidden_size)
             nn.init.normal_(self.transform.weight, std=cfg.init_std)
             nn.init.zeros_(self.transform.bias)
-            vocab_per_rank = cfg.vocab_size // mp.tensor_model_parallel_size
             self.bias = nn.Parameter(torch.zeros(vocab_per_rank))
             tensor_parallel.set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
             if cfg.nsp_head:
@@ -229,6 +243,10 @@ class LMHead(nn.Module):
         logits = F.linear(h, word_embeddings)
         if self.arch == "bert":
             logits = logits + self.bias
+        if self.first_padding < logits.shape[-1]:
+            # Never predicted: no probability, and so no gradient, reaches the padding rows.
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= self.first_padding
+            logits = logits.masked_fill(padding, float("-inf"))
         return logits
 
     def next_sentence_logits(self, h):
@@ -238,16 +256,23 @@ class LMHead(nn.Module):
 class Transformer(nn.Module):
     """BERT or GPT, as `cfg.arch` says. `forward` returns the mean token loss when `labels` are
     given (label -100 = ignored), else this rank's vocab slice of the logits. `seed` fixes the
-    initial weights (default: drawn from the global RNG)."""
+    initial weights (default: drawn from the global RNG). `padded_vocab_size` (default
+    cfg.vocab_size) is the word embedding's row count, which the run plan pads for tensor
+    parallelism (msds.plan.RunPlan.padded_vocab_size). `routed_layers`: the layers random-LTD routes
+    (default msds.model.roles.routed_layers; a run's are the plan's, RunPlan.routed_layers)."""
 
-    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None, padded_vocab_size: Optional[int] = None,
+                 routed_layers: Optional[tuple[int, ...]] = None):
         super().__init__()
         cfg.validate()   # the run plan checked the parallel layout; this is the model's own shape
         self.cfg = cfg
+        routed = default_routed_layers(cfg.num_layers) if routed_layers is None else routed_layers
+        self.routed_layers = frozenset(routed)
         seed = init_seed() if seed is None else seed
+        padded_vocab_size = padded_vocab_size or cfg.vocab_size
         mp = megatron_config(cfg)
         with unit_rng(seed, "embeddings.word"):
-            word = WordEmbedding(cfg, mp)
+            word = WordEmbedding(cfg, mp, padded_vocab_size)
         with unit_rng(seed, "embeddings"):
             self.embeddings = Embeddings(cfg, mp, word)
         self.layers = nn.ModuleList()
@@ -255,27 +280,33 @@ class Transformer(nn.Module):
             with unit_rng(seed, f"layers.{i}"):
                 self.layers.append(Block(cfg, mp))
         with unit_rng(seed, "head"):
-            self.head = LMHead(cfg, mp)
+            self.head = LMHead(cfg, mp, padded_vocab_size)
 
     def hidden_states(self, input_ids, token_type_ids=None, attention_mask=None, keep_tokens=None):
-        """Final hidden states. With `keep_tokens` r < seq_len (random-LTD), every layer but the first
-        and the last sees only a random subset of r tokens of each sample (`route_tokens`)."""
+        """Final hidden states. With `keep_tokens` r < seq_len (random-LTD), every routed layer sees
+        only a random subset of r tokens of each sample (`route_tokens`)."""
         mask = sdpa_mask(self.cfg.arch, attention_mask)
         h = self.embeddings(input_ids, token_type_ids)
         drop = keep_tokens is not None and keep_tokens < h.shape[1]
         for i, layer in enumerate(self.layers):
-            if drop and routes_tokens(i, len(self.layers)):
+            if drop and i in self.routed_layers:
                 h = route_tokens(layer, h, attention_mask, keep_tokens, self.cfg.arch)
             else:
                 h = layer(h, mask)
         return h
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None):
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None,
+                next_sentence_labels=None):
+        """With `next_sentence_labels` (sentence-order pairs), the loss adds the next-sentence head's
+        cross entropy to the masked-LM loss, as BERT's pretraining loss does."""
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
         logits = self.head(h, self.embeddings.word.weight)
         if labels is None:
             return logits
-        return token_loss(logits, labels)
+        loss = token_loss(logits, labels)
+        if next_sentence_labels is not None:
+            loss = loss + F.cross_entropy(self.head.next_sentence_logits(h).float(), next_sentence_labels)
+        return loss
 
 
 def token_loss(vocab_parallel_logits, labels):

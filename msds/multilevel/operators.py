@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -38,7 +39,8 @@ from msds.config import ConfigError, ModelConfig, from_dict as config_from_dict,
 from msds.errors import MsdsError
 from msds.model.roles import ParamRole, parameter_roles
 from msds.multilevel.grouping import LAYOUTS, Grouping
-from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_tensor
+from msds.multilevel.backends import Backend
+from msds.multilevel.tensor_ops import coalesce_tensor, decoalesce_interpolate_tensor, decoalesce_tensor
 
 Kind = Literal["param", "exp_avg", "exp_avg_sq"]
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -243,9 +245,39 @@ def _ordered(tensors: dict, cfg: ModelConfig) -> dict:
     return {name: tensors[name] for name in parameter_roles(cfg) if name in tensors}
 
 
-def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "param") -> dict[str, torch.Tensor]:
+def coalesce_groups(names: Iterable[str], level: LevelMap) -> list[list[str]]:
+    """The large model's tensors `names` (all of them, or one pipeline stage's) in the smallest sets
+    that coalesce on their own, in order of first appearance: a tensor outside the layers alone, a
+    layer's tensor together with the same tensor of the other layers of its depth group (alone when
+    the layers are not resized). Coalescing each set and merging the results is coalescing all of
+    `names`; a transition streams the model through these sets (msds.train.transition)."""
+    names = list(names)
+    roles = _roles_of(dict.fromkeys(names), level.large, "large")
+    depth = level.groupings.get("layers")
+    owner = depth.owner().tolist() if depth is not None else None
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        role = roles[name]
+        key = (name,) if owner is None or role.layer is None else (_layer_suffix(name, role), owner[role.layer])
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def decoalesced_names(name: str, level: LevelMap) -> list[str]:
+    """The large model's tensors that the small model's tensor `name` de-coalesces into: itself, or
+    for a layer's tensor under a depth grouping the same tensor of every layer of its group."""
+    role = _roles_of({name: None}, level.small, "small")[name]
+    depth = level.groupings.get("layers")
+    if depth is None or role.layer is None:
+        return [name]
+    suffix = _layer_suffix(name, role)
+    return [f"layers.{layer}.{suffix}" for layer in depth.members()[role.layer].tolist()]
+
+
+def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "param",
+             backend: Backend = "auto") -> dict[str, torch.Tensor]:
     """The small model's tensors (names and shapes of `level.small`) from the large model's.
-    The inputs are left untouched."""
+    The inputs are left untouched. `backend`: tensor_ops'."""
     _check_kind(kind)
     roles = _roles_of(tensors, level.large, "large")
     depth = level.groupings.get("layers")
@@ -257,7 +289,8 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
             by_suffix[_layer_suffix(name, role)][role.layer] = name
             continue
         axes = _grouped_axes(name, tensor, role, level, large=True)
-        out[name] = coalesce_tensor(tensor, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind))
+        out[name] = coalesce_tensor(tensor, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind),
+                                    backend=backend)
     if depth is not None:
         whole_group = Grouping(units=depth.factor, factor=depth.factor, layout="adjacent")
         groups = depth.members().tolist()
@@ -276,34 +309,58 @@ def coalesce(tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "pa
                                     f"{[tuple(t.shape) for t in members]}; layers that merge must agree")
                 axes = _grouped_axes(names[group[0]], members[0], roles[names[group[0]]], level, large=True)
                 # Width first, layer by layer, then the layer mean over the (smaller) results.
-                narrow = [coalesce_tensor(t, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind))
-                          for t in members]
+                narrow = [coalesce_tensor(t, [(d, g) for d, g, _ in axes], tensor_scale(axes, 1, kind),
+                                          backend=backend) for t in members]
                 merged = coalesce_tensor(torch.stack(narrow), [(0, whole_group)],
-                                         tensor_scale([], depth.factor, kind))
+                                         tensor_scale([], depth.factor, kind), backend=backend)
                 out[f"layers.{small_layer}.{suffix}"] = merged.squeeze(0)
     return _ordered(out, level.small)
 
 
-def decoalesce(small_tensors: dict[str, torch.Tensor], level: LevelMap,
-               kind: Kind = "param") -> dict[str, torch.Tensor]:
-    """The large model's tensors (names and shapes of `level.large`) from the small model's:
-    copies, with in-side axes divided by their factor (parameters) or the moment scale."""
+def _decoalescing(small_tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind):
+    """(name, tensor, grouped axes, scale) of each small tensor: what de-coalescing it needs."""
     _check_kind(kind)
     roles = _roles_of(small_tensors, level.small, "small")
     depth = level.groupings.get("layers")
-    out = {}
     for name, tensor in small_tensors.items():
         role = roles[name]
-        in_layers = depth is not None and role.layer is not None
         axes = _grouped_axes(name, tensor, role, level, large=False)
-        large = decoalesce_tensor(tensor, [(d, g) for d, g, _ in axes],
-                                  tensor_scale(axes, depth.factor if in_layers else 1, kind))
-        if not in_layers:
-            out[name] = large
-            continue
-        suffix = _layer_suffix(name, role)
-        for k, layer in enumerate(depth.members()[role.layer].tolist()):
-            out[f"layers.{layer}.{suffix}"] = large if k == 0 else large.clone()
+        in_layers = depth is not None and role.layer is not None
+        yield name, tensor, [(d, g) for d, g, _ in axes], tensor_scale(axes, depth.factor if in_layers else 1, kind)
+
+
+def decoalesce(small_tensors: dict[str, torch.Tensor], level: LevelMap, kind: Kind = "param",
+               backend: Backend = "auto") -> dict[str, torch.Tensor]:
+    """The large model's tensors (names and shapes of `level.large`) from the small model's:
+    copies, with in-side axes divided by their factor (parameters) or the moment scale.
+    `backend`: tensor_ops'."""
+    out = {}
+    for name, tensor, groups, scale in _decoalescing(small_tensors, level, kind):
+        large = decoalesce_tensor(tensor, groups, scale, backend=backend)
+        for k, large_name in enumerate(decoalesced_names(name, level)):
+            out[large_name] = large if k == 0 else large.clone()
+    return _ordered(out, level.large)
+
+
+def decoalesce_interpolate(small_tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], level: LevelMap,
+                           alpha: float, kind: Kind = "param", backend: Backend = "auto") -> dict[str, torch.Tensor]:
+    """interpolate(decoalesce(small_tensors, level, kind), saved, alpha), one pass per large tensor
+    (tensor_ops.decoalesce_interpolate_tensor: the fused kernel for CUDA tensors under `auto`,
+    PyTorch otherwise; bit for bit the same on the CPU). `saved` holds exactly the large tensors that
+    `small_tensors` de-coalesce into (decoalesced_names), in their dtype and on their device."""
+    check_alpha(alpha)
+    out = {}
+    for name, tensor, groups, scale in _decoalescing(small_tensors, level, kind):
+        for large_name in decoalesced_names(name, level):
+            if large_name not in saved:
+                raise MsdsError(f"{large_name}: missing from the saved tensors; interpolating {name} needs the "
+                                f"large model's {', '.join(decoalesced_names(name, level))}")
+            out[large_name] = decoalesce_interpolate_tensor(tensor, saved[large_name], alpha, groups, scale,
+                                                            backend=backend)
+    extra = sorted(set(saved) - set(out))
+    if extra:
+        raise MsdsError(f"{extra[0]}: saved, but none of the small tensors de-coalesces into it; pass the saved "
+                        f"tensors of exactly the small tensors given")
     return _ordered(out, level.large)
 
 

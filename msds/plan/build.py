@@ -75,8 +75,23 @@ class RunPlan:
     def multilevel(self) -> bool:
         return len(self.phases) > 1
 
+    @property
+    def grow_only(self) -> bool:
+        """A run that starts at the coarsest level and only goes up (multilevel.start_level > 1):
+        nothing is saved, so its transitions de-coalesce without interpolating."""
+        return self.config.multilevel.enabled and self.config.multilevel.start_level > 1
+
     def model(self, level: int) -> ModelConfig:
         return self.levels[level - 1]
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the word embedding at every level: model.vocab_size rounded up to a multiple of
+        model.make_vocab_size_divisible_by x parallel.tensor (Megatron's padding), so that every
+        tensor-parallel rank holds an equal slice of the vocabulary."""
+        model = self.config.model
+        multiple = model.make_vocab_size_divisible_by * self.layout.tensor
+        return -(-model.vocab_size // multiple) * multiple
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -84,8 +99,13 @@ class RunPlan:
         """Tokens each routed layer keeps at `step` (None: random-LTD off)."""
         return self.random_ltd.keep_tokens(step) if self.random_ltd else None
 
+    def routed_layers(self, level: int) -> tuple[int, ...]:
+        """The layers random-LTD routes at `level` (none when it is off)."""
+        return self.random_ltd.routed(level) if self.random_ltd else ()
+
     def flops_per_step(self, level: int, step: int) -> float:
-        return _step_flops(self.model(level), self.config.data.seq_len, self.keep_tokens(step), self.samples_per_step)
+        return _step_flops(self.model(level), self.config.data.seq_len, self.keep_tokens(step),
+                           len(self.routed_layers(level)), self.samples_per_step)
 
     def steps_flops(self, level: int, start: int, end: int) -> float:
         """FLOPs of steps start..end-1 at `level` (constant per step unless random-LTD varies it)."""
@@ -136,15 +156,15 @@ def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
     if efficiency.get("enabled") and (efficiency.get("data_sampling") or {}).get("enabled"):
         raise ConfigError("training.ds_config: data_efficiency.data_sampling (curriculum learning) is not supported "
                           "by msds; disable it (msds implements only data_routing.random_ltd)")
-    ltd = random_ltd_config.parse(efficiency, cfg.model, cfg.data.seq_len)
-    _check_schedule(cfg, ltd)
+    ltd = random_ltd_config.parse(efficiency, cfg.model, cfg.data.seq_len, tuple(maps))
+    _check_schedule(cfg)
     phases = _phases(cfg, levels, ltd, layout)
     baseline_steps = cfg.multilevel.budget_steps or phases[-1].end_step
     _name_derived_values(cfg, phases)
     ds = _fill_ds_config(template, cfg, layout)
     plan = RunPlan(config=cfg, layout=layout, levels=levels, level_maps=tuple(maps), phases=tuple(phases),
                    lr_curves=(), random_ltd=ltd, ds_template=json.dumps(ds), baseline_steps=baseline_steps)
-    return dataclasses.replace(plan, lr_curves=tuple(_lr_curve(plan, phase) for phase in phases))
+    return dataclasses.replace(plan, lr_curves=_lr_curves(plan))
 
 
 def _name_derived_values(cfg: RunConfig, phases: list[Phase]) -> None:
@@ -159,13 +179,13 @@ def _name_derived_values(cfg: RunConfig, phases: list[Phase]) -> None:
 def check_environment(plan: RunPlan) -> None:
     """What `msds train` also needs of this machine: the prepared data (its vocabulary fits the
     model) and an accelerator that supports the precision."""
-    from msds.data import load_tokenizer_info
+    from msds.data.blend import DataSpec, tokenizer_info
 
     cfg = plan.config
-    info = load_tokenizer_info(cfg.data.path)
+    info = tokenizer_info(DataSpec.of(cfg.data))
     if info.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({info.vocab_size}) of {cfg.data.path}; set model.vocab_size="
+                          f"vocabulary ({info.vocab_size}) of the data; set model.vocab_size="
                           f"{info.vocab_size} or more")
     if cfg.training.precision == "fp16":
         from deepspeed.accelerator import get_accelerator
@@ -173,6 +193,23 @@ def check_environment(plan: RunPlan) -> None:
         if not get_accelerator().is_fp16_supported():
             raise ConfigError(f"training.precision: fp16 is not supported by DeepSpeed's "
                               f"{get_accelerator().device_name()} accelerator; use bf16 or fp32 here")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    for number, entry in enumerate(cfg.data.blend):
+        if not (len(entry) == 2 and isinstance(entry[0], (int, float)) and not isinstance(entry[0], bool)
+                and entry[0] > 0 and isinstance(entry[1], str)):
+            raise ConfigError(f"data.blend[{number}]: {entry!r} is not [weight, path] with a positive weight")
+    if cfg.model.nsp_head and not cfg.data.sentence_order:
+        raise ConfigError("model.nsp_head: no loss trains the next-sentence head without sentence pairs, so "
+                          "its parameters would never learn; set data.sentence_order=true or model.nsp_head=false")
+    if cfg.data.sentence_order:
+        if cfg.model.arch != "bert" or not cfg.model.nsp_head:
+            raise ConfigError("data.sentence_order: sentence-order pairs need a BERT model with its "
+                              "next-sentence head; set model.nsp_head=true (BERT) or data.sentence_order=false")
+        if cfg.parallel.pipeline > 1:
+            raise ConfigError("data.sentence_order: the pipeline's last stage computes the masked-LM loss "
+                              "only; set parallel.pipeline=1 or data.sentence_order=false")
 
 
 def _check_fields(cfg: RunConfig) -> None:
@@ -188,9 +225,7 @@ def _check_fields(cfg: RunConfig) -> None:
             raise ConfigError(f"{name}: must be positive, got {value}")
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_positions {cfg.model.max_positions}")
-    if cfg.model.nsp_head:
-        raise ConfigError("model.nsp_head: no loss trains the next-sentence head (the BERT samples have no "
-                          "sentence pairs), so its parameters would never learn; set model.nsp_head=false")
+    _check_data(cfg)
     if cfg.training.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {cfg.training.zero_stage}")
     name = cfg.training.exit_signal
@@ -224,7 +259,8 @@ def _layout(cfg: RunConfig, world_size: int) -> Layout:
 
 
 def _check_divisible(model: ModelConfig, tp: int, pp: int, where: str) -> None:
-    for name in ("num_heads", "ffn_size", "vocab_size"):
+    # The vocabulary is padded to a multiple of tp instead (RunPlan.padded_vocab_size).
+    for name in ("num_heads", "ffn_size"):
         if getattr(model, name) % tp:
             raise ConfigError(f"parallel.tensor: {tp} does not divide {name} {getattr(model, name)} of the "
                               f"{where} model; choose a tensor-parallel size that divides it at every level")
@@ -270,7 +306,7 @@ def _level_maps(cfg: RunConfig) -> list[LevelMap]:
     return maps
 
 
-def _check_schedule(cfg: RunConfig, ltd: Optional[RandomLTD]) -> None:
+def _check_schedule(cfg: RunConfig) -> None:
     ml = cfg.multilevel
     if not ml.enabled:
         if cfg.training.steps <= 0:
@@ -279,9 +315,14 @@ def _check_schedule(cfg: RunConfig, ltd: Optional[RandomLTD]) -> None:
     check_alpha(ml.alpha, "multilevel.alpha")
     if ml.phase_warmup_steps < 0:
         raise ConfigError(f"multilevel.phase_warmup_steps: must be 0 or more, got {ml.phase_warmup_steps}")
-    if ltd is not None and ltd.layer_token_lr and ml.lr_schedule == "run":
-        raise ConfigError("multilevel.lr_schedule: `run` does not apply random-LTD's layer_token_lr_schedule "
-                          "yet; use lr_schedule: phase, or disable layer_token_lr_schedule in training.ds_config")
+    coarsest = len(ml.levels) + 1
+    if ml.start_level != 1 and ml.start_level != coarsest:
+        raise ConfigError(f"multilevel.start_level: {ml.start_level}, but multilevel.levels define levels "
+                          f"1..{coarsest}; use 1 (V-cycles from the full-size model) or {coarsest} (grow from the "
+                          f"coarsest level)")
+    if ml.start_level > 1 and ml.cycles != 1:
+        raise ConfigError(f"multilevel.cycles: {ml.cycles}, but a grow-only run (start_level {ml.start_level}) goes "
+                          f"up once; set cycles to 1")
     if ml.budget_steps < 0:
         raise ConfigError(f"multilevel.budget_steps: must be 0 or more, got {ml.budget_steps}")
     if ml.budget_steps and ml.phase_steps:
@@ -292,13 +333,20 @@ def _check_schedule(cfg: RunConfig, ltd: Optional[RandomLTD]) -> None:
                           "or give phase_steps instead")
 
 
+def _phase_count(cfg: RunConfig, verb: str, verb_singular: str) -> str:
+    """What decides the number of phases, for error messages ('... need(s) N phases')."""
+    ml, order = cfg.multilevel, _level_order(cfg)
+    if ml.start_level > 1:
+        return f"a grow-only run from level {ml.start_level} {verb_singular} {len(order)} phases (levels {order})"
+    return f"{len(ml.levels) + 1} levels and {ml.cycles} cycle(s) {verb} {len(order)} phases"
+
+
 def _check_phase_steps(cfg: RunConfig, steps: list[int]) -> None:
     ml = cfg.multilevel
-    phases = 2 * len(ml.levels) * ml.cycles + 1
-    if len(steps) != phases:
-        raise ConfigError(f"multilevel.phase_steps: {len(ml.levels) + 1} levels and {ml.cycles} cycle(s) need "
-                          f"{phases} phases (down, bottom, up), got {len(steps)}; or size them from "
-                          f"multilevel.budget_steps")
+    if len(steps) != len(_level_order(cfg)):
+        shape = "" if ml.start_level > 1 else " (down, bottom, up)"
+        raise ConfigError(f"multilevel.phase_steps: {_phase_count(cfg, 'need', 'needs')}{shape}, got {len(steps)}; "
+                          f"or size them from multilevel.budget_steps")
     for i, n in enumerate(steps):
         if n <= 0:
             raise ConfigError(f"multilevel.phase_steps[{i}]: must be positive, got {n}")
@@ -318,20 +366,23 @@ def _budget_phase_steps(cfg: RunConfig, levels: tuple[ModelConfig, ...], ltd: Op
     the last (level-1) phase as long as the budget's FLOPs allow."""
     ml = cfg.multilevel
     budget = ml.budget_steps
-    count = 2 * len(ml.levels) * ml.cycles + 1
-    fractions = list(ml.phase_fractions) or (list(DEFAULT_PHASE_FRACTIONS) if count == 3 else [])
+    order = _level_order(cfg)
+    count = len(order)
+    vcycle_of_two = ml.start_level == 1 and count == 3
+    fractions = list(ml.phase_fractions) or (list(DEFAULT_PHASE_FRACTIONS) if vcycle_of_two else [])
     if len(fractions) != count - 1:
-        raise ConfigError(f"multilevel.phase_fractions: {len(ml.levels) + 1} levels and {ml.cycles} cycle(s) have "
-                          f"{count} phases; give the first {count - 1} as fractions of budget_steps (the default "
-                          f"{list(DEFAULT_PHASE_FRACTIONS)} is for one cycle of two levels)")
+        raise ConfigError(f"multilevel.phase_fractions: {_phase_count(cfg, 'have', 'has')}; give the first "
+                          f"{count - 1} as fractions of budget_steps (the default {list(DEFAULT_PHASE_FRACTIONS)} is "
+                          f"for one V-cycle of two levels)")
     for i, f in enumerate(fractions):
         if not 0 < f < 1:
             raise ConfigError(f"multilevel.phase_fractions[{i}]: must be in (0, 1), got {f}")
     samples = cfg.training.micro_batch_size * cfg.training.grad_accum * layout.data
-    order = _level_order(cfg)
 
     def step_flops(level: int, step: int) -> float:
-        return _step_flops(levels[level - 1], cfg.data.seq_len, ltd.keep_tokens(step) if ltd else None, samples)
+        if ltd is None:
+            return _step_flops(levels[level - 1], cfg.data.seq_len, None, 0, samples)
+        return _step_flops(levels[level - 1], cfg.data.seq_len, ltd.keep_tokens(step), len(ltd.routed(level)), samples)
 
     steps = [max(1, round(f * budget)) for f in fractions]
     spent, step = 0.0, 0
@@ -368,9 +419,12 @@ def peak_lr(cfg: RunConfig, level: int) -> float:
 
 
 def _level_order(cfg: RunConfig) -> list[int]:
-    """The level of each phase: level 1, then for each cycle down to the coarsest and back up."""
+    """The level of each phase: level 1, then for each cycle down to the coarsest and back up; a
+    grow-only run goes from its start level up to level 1."""
     if not cfg.multilevel.enabled:
         return [1]
+    if cfg.multilevel.start_level > 1:
+        return list(range(cfg.multilevel.start_level, 0, -1))
     depth = len(cfg.multilevel.levels) + 1
     return [1] + (list(range(2, depth + 1)) + list(range(depth - 1, 0, -1))) * cfg.multilevel.cycles
 
@@ -390,8 +444,8 @@ def _phases(cfg: RunConfig, levels: tuple[ModelConfig, ...], ltd: Optional[Rando
     return phases
 
 
-def _step_flops(model: ModelConfig, seq_len: int, keep_tokens: Optional[int], samples: int) -> float:
-    return flops_per_sample(model, seq_len, keep_tokens) * samples
+def _step_flops(model: ModelConfig, seq_len: int, keep_tokens: Optional[int], routed: int, samples: int) -> float:
+    return flops_per_sample(model, seq_len, keep_tokens, routed) * samples
 
 
 def _transition_flops(larger: ModelConfig, data_parallel: int) -> float:
@@ -400,19 +454,31 @@ def _transition_flops(larger: ModelConfig, data_parallel: int) -> float:
     return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * data_parallel
 
 
-def _lr_curve(plan: RunPlan, phase: Phase) -> Callable[[int], float]:
+def _lr_curves(plan: RunPlan) -> tuple[Callable[[int], float], ...]:
+    """Each phase's learning-rate curve: its own warmup and cosine, or (`lr_schedule: run`) its part
+    of one run-long cosine; on random-LTD's LayerToken clock when layer_token_lr_schedule is on."""
     cfg = plan.config
     min_ratio = cfg.optimizer.min_lr_ratio
+    layer_tokens = plan.random_ltd is not None and plan.random_ltd.layer_token_lr
     if cfg.multilevel.enabled and cfg.multilevel.lr_schedule == "run":
         whole_run = Phase(0, 1, plan.total_steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)
-        return RunCurve(phase, whole_run, min_ratio)
-    if not (plan.random_ltd and plan.random_ltd.layer_token_lr):
-        return PhaseCurve(phase, min_ratio)
-    model = plan.model(phase.level)
+        consumed = _consumed_layer_tokens(plan, plan.phases) if layer_tokens else None
+        return tuple(RunCurve(phase, whole_run, min_ratio, consumed) for phase in plan.phases)
+    if not layer_tokens:
+        return tuple(PhaseCurve(phase, min_ratio) for phase in plan.phases)
+    return tuple(LayerTokenCurve(phase, min_ratio, _consumed_layer_tokens(plan, [phase])) for phase in plan.phases)
+
+
+def _consumed_layer_tokens(plan: RunPlan, phases) -> tuple[float, ...]:
+    """Layer-tokens processed after k steps of `phases` (consecutive), for k = 0 .. their steps; each
+    level counts its own layers and routed layers."""
     consumed = [0.0]
-    for step in range(phase.start_step, phase.end_step):
-        consumed.append(consumed[-1] + plan.random_ltd.layer_tokens(step, model, plan.samples_per_step))
-    return LayerTokenCurve(phase, min_ratio, tuple(consumed))
+    for phase in phases:
+        model = plan.model(phase.level)
+        for step in range(phase.start_step, phase.end_step):
+            consumed.append(consumed[-1] + plan.random_ltd.layer_tokens(step, phase.level, model,
+                                                                        plan.samples_per_step))
+    return tuple(consumed)
 
 
 def _read_ds_template(cfg: RunConfig) -> dict:

@@ -40,7 +40,9 @@ def _state(plan: RunPlan, level: int) -> memory.MemoryEstimate:
 
 def _saved_host(plan: RunPlan, phase_index: int) -> float:
     """Host bytes of the larger levels kept while `phase_index` runs (those above its level on the
-    way down of the current cycle)."""
+    way down of the current cycle; none in a grow-only run)."""
+    if plan.grow_only:
+        return 0.0
     lay = plan.layout
     moments = plan.config.multilevel.optimizer_policy == "map"
     level = plan.phases[phase_index].level
@@ -66,9 +68,11 @@ def summary(plan: RunPlan) -> dict:
             "zero_stage": cfg.training.zero_stage, "precision": cfg.training.precision,
             "samples_per_step": plan.samples_per_step, "tokens_per_step": plan.tokens_per_step,
             "total_steps": plan.total_steps, "lr_schedule": cfg.multilevel.lr_schedule if plan.multilevel else "phase",
+            "grow_only": plan.grow_only,
             "random_ltd": None if plan.random_ltd is None else {
                 "min_tokens": plan.random_ltd.min_value, "max_tokens": plan.random_ltd.max_value,
-                "require_steps": plan.random_ltd.require_steps},
+                "require_steps": plan.random_ltd.require_steps, "layer_token_lr": plan.random_ltd.layer_token_lr,
+                "routed_layers": {str(k): list(plan.routed_layers(k)) for k in range(1, len(plan.levels) + 1)}},
             "phases": phases, "total_flops": total, "baseline_flops": baseline, "flops_ratio": total / baseline}
 
 
@@ -88,9 +92,15 @@ def table(plan: RunPlan, facts: dict) -> str:
                      f"{p['saved_levels_host_bytes'] / memory.GIB:>9.2f}")
     lines.append(f"total: {facts['total_steps']} steps, {facts['total_flops']:.3e} FLOPs; the same steps without "
                  f"multi-level training: {facts['baseline_flops']:.3e} FLOPs (ratio {facts['flops_ratio']:.3f})")
+    if plan.grow_only:
+        lines.append(f"grow-only: starts with a fresh level-{plan.phases[0].level} model and only goes up; nothing is "
+                     f"saved, so de-coalescing is not interpolated")
     if plan.random_ltd:
         r = plan.random_ltd
-        lines.append(f"random-LTD: routed layers keep {r.min_value} -> {r.max_value} tokens over {r.require_steps} steps")
+        routed = "; ".join(f"level {k}: {list(plan.routed_layers(k))}" for k in range(1, len(plan.levels) + 1))
+        clock = ", learning rate on the LayerToken clock" if r.layer_token_lr else ""
+        lines.append(f"random-LTD: routed layers keep {r.min_value} -> {r.max_value} tokens over {r.require_steps} "
+                     f"steps{clock}; routed layers {routed}")
     lines.append("memory: model state only (activations, DeepSpeed buffers and the CUDA context come on top); "
                  "host GiB: larger levels kept for the way up")
     return "\n".join(lines)

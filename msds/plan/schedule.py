@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from msds.config import ModelConfig
-from msds.model.roles import routed_layers
 
 
 @dataclass(frozen=True)
@@ -49,18 +48,29 @@ class PhaseCurve:
         return lr_multiplier(self.phase, step_in_phase, self.min_ratio)
 
 
+def layer_token_step(consumed: tuple[float, ...], step: int) -> float:
+    """Random-LTD's LayerToken clock: step `step` of a span whose `consumed[k]` layer-tokens were
+    processed after k steps, as the step a constant consumption would have reached."""
+    steps = len(consumed) - 1
+    return consumed[min(step, steps)] / consumed[-1] * steps
+
+
 @dataclass(frozen=True)
 class RunCurve:
     """`lr_schedule: run`: one cosine over the whole run (`whole_run`, the baseline's schedule);
-    every phase after the first re-warms up to that curve over its own warmup steps."""
+    every phase after the first re-warms up to that curve over its own warmup steps. With
+    `consumed` (layer-tokens after k steps of the run) the curve runs on the LayerToken clock."""
 
     phase: Phase
     whole_run: Phase
     min_ratio: float
+    consumed: Optional[tuple[float, ...]] = None
 
     def __call__(self, step_in_phase: int) -> float:
         rewarm = 1.0 if self.phase.index == 0 else min(1.0, (step_in_phase + 1) / max(1, self.phase.warmup_steps))
-        return rewarm * lr_multiplier(self.whole_run, self.phase.start_step + step_in_phase, self.min_ratio)
+        step = self.phase.start_step + step_in_phase
+        clock = step if self.consumed is None else layer_token_step(self.consumed, step)
+        return rewarm * lr_multiplier(self.whole_run, clock, self.min_ratio)
 
 
 @dataclass(frozen=True)
@@ -74,19 +84,18 @@ class LayerTokenCurve:
     consumed: tuple[float, ...]
 
     def __call__(self, step_in_phase: int) -> float:
-        done = self.consumed[min(step_in_phase, self.phase.steps)] / self.consumed[-1]
-        return lr_multiplier(self.phase, done * self.phase.steps, self.min_ratio)
+        return lr_multiplier(self.phase, layer_token_step(self.consumed, step_in_phase), self.min_ratio)
 
 
-def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: Optional[int] = None) -> float:
+def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: Optional[int] = None, routed: int = 0) -> float:
     """Forward + backward FLOPs of one sample (docs/method.md §5.1): 6 x matmul parameters
     per token plus the attention score and value products, 12 x attention width x sequence length per
-    token and layer. With random-LTD, the routed layers (msds.model.roles.routed_layers) see
-    `keep_tokens` tokens."""
+    token and layer. With random-LTD, `routed` layers (the plan's, per level) see `keep_tokens`
+    tokens."""
     h, a, f = cfg.hidden_size, cfg.attention_size, cfg.ffn_size
     layer_params = 3 * a * h + a * h + 2 * f * h
     outside_layers = (h * h if cfg.arch == "bert" else 0) + cfg.vocab_size * h   # BERT transform, tied head
-    routed = len(routed_layers(cfg.num_layers)) if keep_tokens is not None else 0
+    routed = routed if keep_tokens is not None else 0
     kept = keep_tokens or seq_len
 
     def layer_flops(tokens: int) -> float:

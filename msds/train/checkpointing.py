@@ -6,9 +6,9 @@
     <dir>/step00000120/msds/COMPLETE        size and sha256 of every file of the checkpoint
     <dir>/latest                            name of the newest complete checkpoint
 
-A checkpoint becomes "latest" only after every rank has written its files and rank 0 has listed
-them in COMPLETE. On resume each candidate is verified against COMPLETE, newest first; a partial
-or corrupted one is reported and the previous complete one is used.
+A checkpoint becomes "latest" only after every rank has written and hashed its files and rank 0
+has listed them in COMPLETE. On resume each candidate is verified against COMPLETE, newest first;
+a partial or corrupted one is reported and the previous complete one is used.
 
 Every file is read with torch.load(weights_only=True) (`safe_load`), DeepSpeed's included: COMPLETE
 catches accidents, not attacks (whoever crafts the files crafts the manifest), so a checkpoint from
@@ -45,26 +45,51 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep: int) -> str:
-    """Write a checkpoint collectively (every rank calls this) and mark it complete."""
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep: int, extra=None) -> str:
+    """Write a checkpoint collectively (every rank calls this) and mark it complete. Each rank
+    hashes the files it wrote, all ranks at once; rank 0 gathers their sizes and hashes into
+    COMPLETE (hashing only what no rank reported, such as files DeepSpeed writes past its
+    checkpoint engine). `extra(tag_dir)`, when given, is called on every rank to write more files
+    of the checkpoint and returns the ones this rank wrote (msds.train.relayout.write)."""
+    from msds.compat.deepspeed_0_19 import checkpoint_writes_recorded
+
     tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
     rank = dist.get_rank()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    msds_dir = ckpt_dir / tag / "msds"
+    with checkpoint_writes_recorded(engine) as written:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    msds_dir = tag_dir / "msds"
     msds_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, msds_dir / f"rank{rank}.pt")
+    written.append(msds_dir / f"rank{rank}.pt")
+    if extra is not None:
+        written.extend(extra(tag_dir))
     if rank == 0:
         (msds_dir / "state.json").write_text(json.dumps(state, indent=1))
-    dist.barrier()
+        written.append(msds_dir / "state.json")
+    mine = _file_records(tag_dir, written)
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)     # returns on rank 0 once every rank has written and hashed
     if rank == 0:
-        files = sorted(p for p in (ckpt_dir / tag).rglob("*") if p.is_file() and p.name != COMPLETE)
-        manifest = {str(p.relative_to(ckpt_dir / tag)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                    for p in files}
-        _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": manifest}))
+        manifest = {rel: record for part in parts for rel, record in part.items()}
+        unreported = [p for p in tag_dir.rglob("*") if p.is_file() and p.name != COMPLETE
+                      and str(p.relative_to(tag_dir)) not in manifest]
+        manifest.update(_file_records(tag_dir, unreported))
+        files = dict(sorted(manifest.items()))
+        _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": files}))
         _atomic_write(ckpt_dir / "latest", tag)
         _prune(ckpt_dir, keep)
     dist.barrier()
     return tag
+
+
+def _file_records(tag_dir: Path, paths) -> dict[str, dict]:
+    """Size and sha256 of each file, by its path relative to the checkpoint's directory."""
+    records = {}
+    for path in map(Path, paths):
+        rel = str(path.resolve().relative_to(tag_dir.resolve()))
+        records[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return records
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
@@ -91,17 +116,14 @@ def verify(tag_dir: Path) -> str | None:
     return None
 
 
-def find_resumable(ckpt_dir: Path, world_size: int, report) -> str | None:
-    """The newest complete, intact checkpoint's tag, reporting each one skipped on the way."""
+def find_resumable(ckpt_dir: Path, report) -> str | None:
+    """The newest complete, intact checkpoint's tag, reporting each one skipped on the way. Whether
+    this run's layout can resume it is msds.train.relayout.check_resume's question."""
     if not ckpt_dir.is_dir():
         return None
     for tag_dir in sorted(ckpt_dir.glob("step*"), reverse=True):
         problem = verify(tag_dir)
         if problem is None:
-            saved_world = json.loads((tag_dir / "msds" / COMPLETE).read_text())["world_size"]
-            if saved_world != world_size:
-                raise MsdsError(f"{tag_dir}: written by {saved_world} processes, resumed with {world_size}; "
-                                f"resume with the same number of processes")
             return tag_dir.name
         report(f"checkpoint {tag_dir} skipped: {problem}; trying the previous one")
     return None
@@ -194,10 +216,10 @@ def read_state(ckpt_dir: Path, tag: str) -> dict:
 def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
     """An msds model checkpoint (TP=1 shapes) from a training checkpoint written with ZeRO 0-2 at
     any tensor- and pipeline-parallel size: DeepSpeed's per-tensor-parallel-rank module files (per
-    pipeline layer, for pipelines) are concatenated along the axes megatron-core splits. (ZeRO-3
-    keeps no module weights in those files: such runs are exported by the trainer itself, to
-    <run_dir>/model.)"""
-    from msds.model.files import save_model
+    pipeline layer, for pipelines) are concatenated along the axes megatron-core splits, and the
+    vocabulary's padding rows are dropped. (ZeRO-3 keeps no module weights in those files: such
+    runs are exported by the trainer itself, to <run_dir>/model.)"""
+    from msds.model.files import save_model, without_vocab_padding
     from msds.config import ModelConfig, from_dict
 
     ckpt_dir = Path(ckpt_dir)
@@ -211,7 +233,7 @@ def convert_to_model(ckpt_dir: Path, tag: str | None, out_dir: Path) -> Path:
     shards = [read(ckpt_dir / tag, cfg, rank) for rank in range(state["tensor_parallel"])]
     tensors = {name: torch.cat([s[name] for s in shards], dim=tensor_parallel_dim(name))
                if tensor_parallel_dim(name) is not None else shards[0][name] for name in shards[0]}
-    return save_model(out_dir, cfg, tensors)
+    return save_model(out_dir, cfg, without_vocab_padding(cfg, tensors))
 
 
 def _tensors(state: dict) -> dict[str, torch.Tensor]:

@@ -4,10 +4,13 @@ access to its fp32 weights and Adam moments whatever the ZeRO stage, under the f
 
 DeepSpeed keeps fp32 master weights (and ZeRO partitions of them) that overwrite any in-place edit
 of the module's parameters at the next step (docs/method.md §8.2). msds therefore never
-edits a live engine's weights: a transition reads the full tensors out, builds a fresh model from
-the new tensors and a fresh engine around it.
+edits a live engine's weights: a transition reads the full tensors out one at a time, builds a
+fresh model from the new tensors (one at a time again) and a fresh engine around it.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
 
 import deepspeed
 import torch
@@ -28,29 +31,53 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only (not biases, LayerNorms or the vocabulary bias)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if len(ds_compat.full_shape(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(plan: RunPlan, phase: Phase, tensors: dict[str, torch.Tensor] | None):
-    """A fresh model of `phase`'s level (random init, or `tensors` by flat-model name: this
-    stage's), wrapped in a fresh DeepSpeed engine with the phase's config and learning-rate curve."""
+def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch.Tensor]] | None):
+    """A fresh model of `phase`'s level, wrapped in a fresh DeepSpeed engine with the phase's config
+    and learning-rate curve. Its weights: random, or `tensors`, (flat-model name, full tensor) pairs
+    covering this stage's parameters once each, in an order that is the same on every data-parallel
+    rank, consumed one at a time (a transition computes each when asked, so that no rank holds the
+    whole new model). Under ZeRO 3 such a model is built partitioned (deepspeed.zero.Init): each
+    parameter holds only this rank's partition, filled from its tensor through a short gather."""
     model_cfg = plan.model(phase.level)
     pipelined = plan.layout.pipeline > 1
-    model = PipelineTransformer(model_cfg) if pipelined else Transformer(model_cfg)
+    ds_config = plan.ds_config(phase)
+    partitioned = tensors is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    # mem_efficient_linear off: Init would otherwise replace torch's linear while the model is built.
+    with (deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=DeepSpeedMPU, mem_efficient_linear=False)
+          if partitioned else contextlib.nullcontext()):
+        model = (PipelineTransformer if pipelined else Transformer)(model_cfg, padded_vocab_size=plan.padded_vocab_size,
+                                                                     routed_layers=plan.routed_layers(phase.level))
     if tensors is not None:
-        with torch.no_grad():
-            for name, p in named_parameters(model):
-                p.copy_(tensors[name])
+        _fill(model, tensors, partitioned)
     # A pipeline brings its own process-group grid (DeepSpeed refuses an mpu then).
     lr_curve = plan.lr_curves[phase.index]
     # A plain function, not the curve object: LambdaLR saves (and on resume restores) the attributes
     # of callable objects into checkpoints; the plan's curve is derived afresh on every start.
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
-        config=plan.ds_config(phase), dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
+        config=ds_config, dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_curve(s)))
     return engine
+
+
+def _fill(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], partitioned: bool) -> None:
+    """Copy `tensors` into a model not yet in an engine (DeepSpeed makes its fp32 master copies from
+    them). A partitioned parameter is gathered, written on every rank (all hold the same tensor) and
+    partitioned again from rank 0's copy: one parameter's full size at a time."""
+    params = dict(named_parameters(model))
+    missing = set(params)
+    with torch.no_grad():
+        for name, value in tensors:
+            param = params[name]
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=partitioned):
+                param.copy_(value)
+            missing.discard(name)
+    if missing:
+        raise RuntimeError(f"{sorted(missing)[0]}: no tensor given for this parameter of the new model")
 
 
 def is_pipeline(engine) -> bool:
@@ -95,12 +122,16 @@ def _plain_optimizer_state(engine, param) -> dict:
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """Every parameter's full (over data parallelism; this rank's tensor-parallel shard) fp32 value
     on the engine's device: each tensor is gathered in turn and a copy of it kept, so the result
-    holds the whole model at once on every rank. On GPUs the transition operators then run there."""
-    out = {}
-    for name, p in named_parameters(engine.module):
-        full = safe_get_full_fp32_param(p)
-        out[name] = (p.detach() if full is None else full).float().clone()
-    return out
+    holds the whole model at once on every rank (for exports and tests; transitions stream with
+    `tensor_reader`)."""
+    return {name: full_weight(p) for name, p in named_parameters(engine.module)}
+
+
+def full_weight(param) -> torch.Tensor:
+    """One parameter's full (over data parallelism) fp32 value, a copy: a collective of the
+    data-parallel group under ZeRO 1-3, so every rank asks for the same parameters in turn."""
+    full = safe_get_full_fp32_param(param)
+    return (param.detach() if full is None else full).float().clone()
 
 
 def gather_tensor_parallel(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,12 +174,31 @@ def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
     ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
     for name, p in named_parameters(engine.module):
         for key in MOMENTS:
-            full = safe_get_full_optimizer_state(p, key)
-            if full is None:
-                state = _plain_optimizer_state(engine, p)
-                full = state.get(key, torch.zeros_like(p))
-            out[key][name] = full.float().clone()
+            out[key][name] = full_moment(engine, p, key)
     return out
+
+
+def tensor_reader(engine, moments: bool) -> tuple[list[str], Callable[[str, str], torch.Tensor]]:
+    """This stage's parameter names and `read(kind, name)`: one parameter's full fp32 weight (kind
+    "param", full_weight) or Adam moment (full_moment; `moments` must be true), a fresh copy. Every
+    read is a collective, so every data-parallel rank reads the same tensors in the same order."""
+    params = dict(named_parameters(engine.module))
+    if moments:
+        ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
+
+    def read(kind: str, name: str) -> torch.Tensor:
+        return full_weight(params[name]) if kind == "param" else full_moment(engine, params[name], kind)
+
+    return list(params), read
+
+
+def full_moment(engine, param, key: str) -> torch.Tensor:
+    """One parameter's full Adam moment `key` (a copy), a collective like `full_weight`. Call
+    ds_compat.relink_hp_optimizer_states(engine) once before (as `full_moments` does)."""
+    full = safe_get_full_optimizer_state(param, key)
+    if full is None:
+        full = _plain_optimizer_state(engine, param).get(key, torch.zeros_like(param))
+    return full.float().clone()
 
 
 def optimizer_step_count(engine) -> int:
@@ -160,29 +210,39 @@ def optimizer_step_count(engine) -> int:
     return 0
 
 
-def _materialise_optimizer_state(engine) -> None:
+def _materialise_optimizer_state(engine, key: str) -> None:
     """torch's AdamW creates its state at the first step and ZeRO 1/2 link their per-parameter
-    views to it only then; a fresh engine that is to receive mapped moments needs both now."""
+    views to it only then; a fresh engine that is to receive mapped moments needs both now, for
+    moment `key` (one moment at a time: a transition then holds one moment's zeros, not both, next
+    to the values it installs)."""
     base = ds_compat.base_optimizer(engine)
     for flat in ds_compat.optimizer_state_flats(engine):
         state = base.state[flat]
-        if not state:
-            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
-                         exp_avg_sq=torch.zeros_like(flat))
+        state.setdefault("step", torch.tensor(0.0))
+        if key not in state:
+            state[key] = torch.zeros_like(flat)
     ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
 
 
-def set_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-    """Install full Adam moments and the step count into a fresh engine's (partitioned) state."""
-    _materialise_optimizer_state(engine)
+def set_moments(engine, moments: Callable[[str], Iterable[tuple[str, torch.Tensor]]], step: int) -> None:
+    """Install Adam's moments and the step count into a fresh engine's (partitioned) state.
+    `moments(key)` yields (flat-model name, full tensor) for every parameter of this stage, in the
+    same order on every data-parallel rank; each tensor is installed (this rank's part of it kept)
+    before the next is asked for."""
     base = ds_compat.base_optimizer(engine)
-    for name, p in named_parameters(engine.module):
-        for key in MOMENTS:
-            value = moments[key][name]
+    params = dict(named_parameters(engine.module))
+    for key in MOMENTS:
+        _materialise_optimizer_state(engine, key)
+        missing = set(params)
+        for name, value in moments(key):
+            p = params[name]
             if ds_compat.is_zero_managed(p):
                 safe_set_full_optimizer_state(p, value.to(p.device), key)
             else:
                 base.state[p][key].copy_(value)
+            missing.discard(name)
+        if missing:
+            raise RuntimeError(f"{sorted(missing)[0]}: no {key} given for this parameter of the new engine")
     for state in base.state.values():
         state["step"] = torch.tensor(float(step))
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from msds.model.files import save_model
+from msds.model.files import save_model, without_vocab_padding
 from msds.config import RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, train_batches
-from msds.distributed import data_parallel_group, init_distributed, launched_world_size
+from msds.distributed import data_parallel_group, init_distributed, launched_world_size, seed_generators
 from msds.plan import RunPlan, build_plan, check_environment
-from msds.train import checkpointing
+from msds.train import checkpointing, relayout
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, train_step)
 from msds.train.metrics import MetricsLogger
@@ -76,7 +76,7 @@ class Trainer:
         self.install_exit_signal()
         self.log = MetricsLogger(self.run_dir, self.rank == 0, cfg.logging.interval, plan.total_steps,
                                  cfg.logging.tensorboard)
-        self.eval_set = eval_batches(cfg.data.path, cfg.logging.eval_split, cfg.model.arch, cfg.data.seq_len,
+        self.eval_set = eval_batches(cfg.data, cfg.logging.eval_split, cfg.model.arch, cfg.data.seq_len,
                                      cfg.training.micro_batch_size, cfg.logging.eval_batches, seed=cfg.data.seed)
 
     # -- helpers --------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class Trainer:
         return self.plan.phases[self.state.phase]
 
     def batches(self):
-        return train_batches(self.cfg.data.path, self.cfg.model.arch, self.cfg.data.seq_len,
+        return train_batches(self.cfg.data, self.cfg.model.arch, self.cfg.data.seq_len,
                              self.cfg.training.micro_batch_size, self.cfg.data.seed, self.dp_rank,
                              self.plan.layout.data,
                              consumed_samples=self.state.consumed_samples)
@@ -110,9 +110,13 @@ class Trainer:
         self.saved_at_step = self.state.step
         state = {"train": asdict(self.state), "transitions": self.transitions,
                  "model": asdict(self.plan.model(self.phase.level)),
-                 "tensor_parallel": self.cfg.parallel.tensor, "pipeline_parallel": self.cfg.parallel.pipeline}
+                 "tensor_parallel": self.cfg.parallel.tensor, "pipeline_parallel": self.cfg.parallel.pipeline,
+                 **relayout.layout_record(self.plan)}
         rank_state = {"saved": [s.state_dict() for s in self.saved], "rng": checkpointing.rng_state()}
-        tag = checkpointing.save(engine, self.ckpt_dir, self.state.step, state, rank_state, self.cfg.checkpoint.keep)
+        layout_free = (lambda tag_dir: relayout.write(engine, self.plan, self.saved, tag_dir)) \
+            if self.cfg.checkpoint.layout_free else None
+        tag = checkpointing.save(engine, self.ckpt_dir, self.state.step, state, rank_state, self.cfg.checkpoint.keep,
+                                 extra=layout_free)
         self.log.event("checkpoint", {"step": self.state.step, "tag": tag, "reason": reason},
                        f"checkpoint {self.ckpt_dir / tag} ({reason})")
 
@@ -120,27 +124,33 @@ class Trainer:
         """An engine restored from the newest complete checkpoint, or None to start afresh."""
         if self.cfg.checkpoint.resume != "auto":
             return None
-        tag = checkpointing.find_resumable(self.ckpt_dir, self.world, self.say)
+        tag = checkpointing.find_resumable(self.ckpt_dir, self.say)
         if tag is None:
             return None
-        self.state = TrainState(**checkpointing.read_state(self.ckpt_dir, tag)["train"])
-        engine = build_engine(self.plan, self.phase, None)
-        state, rank_state = checkpointing.load(engine, self.ckpt_dir, tag)
+        state = checkpointing.read_state(self.ckpt_dir, tag)
+        same_layout = relayout.check_resume(state, self.plan, self.ckpt_dir / tag)
+        self.state = TrainState(**state["train"])
         self.transitions = state["transitions"]
-        self.saved = [SavedLevel(**s) for s in rank_state["saved"]]
-        checkpointing.restore_rng_state(rank_state["rng"])
-        self.log.event("resume", {"step": self.state.step, "tag": tag},
-                       f"resumed from {self.ckpt_dir / tag} at step {self.state.step} (level {self.phase.level})")
+        if same_layout:
+            engine = build_engine(self.plan, self.phase, None)
+            _, rank_state = checkpointing.load(engine, self.ckpt_dir, tag)
+            self.saved = [SavedLevel(**s) for s in rank_state["saved"]]
+            checkpointing.restore_rng_state(rank_state["rng"])
+        else:   # another data x tensor x pipeline layout: from the layout-free copy
+            engine, self.saved = relayout.resume(self.plan, self.phase, self.ckpt_dir / tag, self.state.step)
+        self.log.event("resume", {"step": self.state.step, "tag": tag, "same_layout": same_layout},
+                       f"resumed from {self.ckpt_dir / tag} at step {self.state.step} (level {self.phase.level})"
+                       + ("" if same_layout else " on another layout (layout-free copy; generators re-seeded)"))
         return engine
 
     def export(self, engine) -> None:
-        """The trained model as an msds model checkpoint with TP=1 shapes (<run_dir>/model), ready
-        for `msds export-hf`, whatever the run's parallel layout."""
+        """The trained model as an msds model checkpoint with TP=1 shapes and no vocabulary padding
+        (<run_dir>/model), ready for `msds export-hf`, whatever the run's parallel layout."""
         tensors = gather_pipeline_stages(gather_tensor_parallel(full_weights(engine)))
-        tensors = {name: t.cpu() for name, t in tensors.items()}
+        cfg = self.plan.model(self.phase.level)
+        tensors = without_vocab_padding(cfg, {name: t.cpu() for name, t in tensors.items()})
         if self.rank == 0:
-            save_model(self.run_dir / "model", self.plan.model(self.phase.level), tensors,
-                       overwrite=True)
+            save_model(self.run_dir / "model", cfg, tensors, overwrite=True)
             self.say(f"model written to {self.run_dir / 'model'} (msds export-hf can convert it)")
         dist.barrier()
 
@@ -157,7 +167,8 @@ class Trainer:
         self.state.flops += entry["flops"]
         self.transitions.append(entry)
         note = (f" (saved large model: {entry['loss_before_coalescing']:.4f}, alpha {entry['alpha']})"
-                if entry["direction"] == "up" else "")
+                if "loss_before_coalescing" in entry else " (grown, not interpolated)" if entry["direction"] == "up"
+                else "")
         self.log.event("transition", entry,
                        f"transition {entry['direction']} level {entry['from_level']} -> {entry['to_level']} at step "
                        f"{entry['step']} in {entry['seconds']:.2f} s: val loss {entry['loss_before']:.4f} -> "
@@ -195,7 +206,7 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         engine = self.resume()
         if engine is None:
-            torch.manual_seed(cfg.training.seed)
+            seed_generators(cfg.training.seed)
             engine = build_engine(plan, self.phase, None)
             self.say(f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
                      f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "

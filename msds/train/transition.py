@@ -1,17 +1,29 @@
 """Level transitions: the one place where a run changes levels. The loop calls `run_transition`
 and logs what it returns.
 
-Down (coalesce): gather the engine's full fp32 weights (and Adam moments under the `map` policy),
-every tensor of the model at once on every rank, keep this rank's partition of them in host memory
-for the interpolation on the way back up, coalesce, and build the smaller model and a fresh engine
-around it.
+A transition streams the model: it never holds the whole of the old or the new model's weights or
+moments on a rank, only one group of tensors at a time in full (what the operators need together)
+and this rank's partitions (1/dp of each flattened tensor) of the rest.
 
-Up (de-coalesce + interpolate): read the small model's full weights, de-coalesce them, interpolate
-each rank's partition with the saved large partition, all-gather the result, and build the larger
-model and its engine.
+Down (coalesce): for each coalescing group (msds.multilevel.operators.coalesce_groups: a tensor, or
+the same tensor of the layers a depth group merges) read the group's full fp32 weights (and Adam
+moments under the `map` policy) from the engine, keep this rank's partition of them in host memory
+for the interpolation on the way back up, coalesce them and keep this rank's partition of the small
+tensors. Then destroy the engine and build the smaller model's engine, all-gathering one small
+tensor at a time.
 
-The old engine is destroyed before the new one is built. Weights are never written into a live
-engine: DeepSpeed's fp32 master copies would overwrite such edits at the next step.
+Up (de-coalesce + interpolate): keep this rank's partition of every small tensor read from the
+engine, destroy it, and build the larger model's engine from one small tensor at a time: all-gather
+it and the saved large tensors it de-coalesces into, de-coalesce and interpolate them in one pass
+(the fused kernel for CUDA tensors, PyTorch on the CPU: operators.decoalesce_interpolate), hand them
+to the engine, which keeps this rank's part. The saved partitions are released as they are used. A
+grow-only run (RunPlan.grow_only) saved nothing: its way up takes the de-coalesced model as it is.
+
+Under ZeRO 3 the new model is built partitioned (msds.train.engine.build_engine), so the extra
+memory of a transition is about one group's full tensors on top of the partitions; under ZeRO 0-2
+every rank holds the whole module anyway (DeepSpeed's design), and the transition adds no more than
+the group to it. Weights are never written into a live engine: DeepSpeed's fp32 master copies would
+overwrite such edits at the next step.
 """
 from __future__ import annotations
 
@@ -19,6 +31,7 @@ import gc
 import math
 import resource
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,10 +39,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from msds.multilevel.operators import LevelMap, coalesce, decoalesce, interpolate
+from msds.multilevel.operators import (LevelMap, coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
+                                      decoalesced_names)
 from msds.plan import Phase, RunPlan
-from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, full_moments, full_weights, \
-    optimizer_step_count, set_moments
+from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, set_moments, \
+    tensor_reader
 
 
 @dataclass
@@ -60,7 +74,7 @@ def _local(level_map: LevelMap) -> LevelMap:
     return level_map.shard_local(tp, parallel_state.get_tensor_model_parallel_rank())
 
 
-def _partition(tensor: torch.Tensor) -> torch.Tensor:
+def dp_partition(tensor: torch.Tensor) -> torch.Tensor:
     """This data-parallel rank's contiguous chunk of the flattened tensor (chunks padded equal)."""
     world, rank = dist.get_world_size(_dp_group()), dist.get_rank(_dp_group())
     flat = tensor.reshape(-1)
@@ -68,8 +82,8 @@ def _partition(tensor: torch.Tensor) -> torch.Tensor:
     return flat[rank * size:(rank + 1) * size].clone()
 
 
-def _gather(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The full tensor from every rank's `_partition` of it (on `part`'s device: NCCL needs GPU
+def dp_gather(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's `dp_partition` of it (on `part`'s device: NCCL needs GPU
     tensors, gloo takes CPU ones)."""
     world = dist.get_world_size(_dp_group())
     numel = math.prod(shape)
@@ -81,8 +95,39 @@ def _gather(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.cat(pieces)[:numel].reshape(shape)
 
 
-def _partitions(tensors: dict[str, torch.Tensor], host: bool = False) -> dict[str, torch.Tensor]:
-    return {name: _partition(t).cpu() if host else _partition(t) for name, t in tensors.items()}
+class _Shares:
+    """This rank's partitions of a model's tensors by kind ("param", "exp_avg", "exp_avg_sq") and
+    name, with their full shapes: what a transition keeps of a model between reading one engine and
+    building the next."""
+
+    def __init__(self):
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    def keep(self, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.shapes[name] = tuple(tensor.shape)
+            self.parts.setdefault(kind, {})[name] = dp_partition(tensor)
+
+    def full(self, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of `kind` in the order kept, each all-gathered when asked for; its
+        partition is released then."""
+        parts = self.parts.pop(kind, {})
+        for name in list(parts):
+            yield name, dp_gather(parts.pop(name), self.shapes[name])
+
+
+def _kinds(map_moments: bool) -> tuple[str, ...]:
+    return ("param", *MOMENTS) if map_moments else ("param",)
+
+
+def _build(plan: RunPlan, following: Phase, source: Callable[[str], Iterable[tuple[str, torch.Tensor]]],
+           map_moments: bool, step: int):
+    """The next phase's engine from `source(kind)`, the new model's full tensors one at a time."""
+    engine = build_engine(plan, following, source("param"))
+    if map_moments:
+        set_moments(engine, source, step)
+    return engine
 
 
 def resident_memory_mb() -> float:
@@ -91,82 +136,124 @@ def resident_memory_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _rss_high_water_mb() -> float:
+    """This process's peak resident set size since the last reset (Linux's VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def _start_peak_window() -> dict:
+    """Reset the peak-memory counters (Linux's RSS high-water mark, through clear_refs; torch's on a
+    GPU) and return the levels they start from. `rss` is None where the kernel refuses the reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss = resident_memory_mb()
+    except OSError:
+        rss = None
+    levels = {"rss": rss}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        levels["device"] = torch.cuda.memory_allocated() / 2**20
+    return levels
+
+
+def _peaks_above(levels: dict) -> dict:
+    """Peak memory since `_start_peak_window` above the levels it returned, in MiB."""
+    # Never below 0: the kernel's RSS counters lag by a few pages per thread, and a peak is at least
+    # the level it started from.
+    peaks = {"rss_peak_extra_mb": None if levels["rss"] is None else max(0.0, _rss_high_water_mb() - levels["rss"])}
+    if "device" in levels:
+        peaks["device_peak_extra_mb"] = torch.cuda.max_memory_allocated() / 2**20 - levels["device"]
+    return peaks
+
+
 def run_transition(engine, plan: RunPlan, current: Phase, following: Phase, saved: list[SavedLevel],
                    eval_set: list[dict], step: int):
     """Leave `current` for `following` at global step `step`: evaluate, coalesce (pushing the large
-    level's share onto `saved`) or de-coalesce and interpolate (popping it), evaluate again.
-    Returns the next phase's engine and the `transition` record for the metrics (with its seconds
-    and FLOPs, which the caller adds to the run's counters)."""
+    level's share onto `saved`) or de-coalesce and interpolate (popping it; a grow-only run does not
+    interpolate), evaluate again.
+    Returns the next phase's engine and the `transition` record for the metrics: its seconds and
+    FLOPs (which the caller adds to the run's counters), losses, and memory: this rank's RSS before
+    and after, and under `ranks` every rank's seconds and peak memory above its level before the
+    transition (host RSS; device memory on a GPU), evaluations excluded."""
     map_moments = plan.config.multilevel.optimizer_policy == "map"
     loss_before = evaluate(engine, eval_set)
     rss_before = resident_memory_mb()
+    levels = _start_peak_window()
     start = time.perf_counter()
     if following.level > current.level:
         engine, kept = _coalesce(engine, plan, current, following, map_moments, loss_before)
         saved.append(kept)
         extra = {}
     else:
-        kept = saved.pop()
+        kept = None if plan.grow_only else saved.pop()
         engine = _decoalesce(engine, plan, following, kept, map_moments)
-        extra = {"loss_before_coalescing": kept.val_loss, "alpha": plan.config.multilevel.alpha}
+        extra = {} if kept is None else {"loss_before_coalescing": kept.val_loss, "alpha": plan.config.multilevel.alpha}
     seconds = time.perf_counter() - start
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": dist.get_rank(), "seconds": seconds, **_peaks_above(levels)})
     return engine, {"step": step, "direction": "down" if following.level > current.level else "up",
                     "from_level": current.level, "to_level": following.level, "seconds": seconds,
                     "flops": plan.transition_flops(current.level, following.level),
                     "loss_before": loss_before, "loss_after": evaluate(engine, eval_set),
-                    "rss_mb_before": rss_before, "rss_mb_after": resident_memory_mb(), **extra}
+                    "rss_mb_before": rss_before, "rss_mb_after": resident_memory_mb(), "ranks": ranks, **extra}
 
 
 def _coalesce(engine, plan: RunPlan, current: Phase, following: Phase, map_moments: bool,
               val_loss: float):
-    """Level `current.level` -> `following.level` (one coarser). Returns the new engine and this
-    rank's share of the large level, kept for the way back up."""
-    level_map = plan.level_maps[current.level - 1]
-    weights = full_weights(engine)
-    moments = full_moments(engine) if map_moments else None
-    step = optimizer_step_count(engine)
+    """Level `current.level` -> `following.level` (one coarser), a coalescing group at a time.
+    Returns the new engine and this rank's share of the large level, kept for the way back up."""
+    local_map = _local(plan.level_maps[current.level - 1])
+    backend = plan.config.multilevel.transition_backend
+    names, read = tensor_reader(engine, map_moments)
     # Kept in host memory until the way back up: each rank only its 1/dp share.
-    saved = SavedLevel(level=current.level, shapes={n: tuple(t.shape) for n, t in weights.items()},
-                       weights=_partitions(weights, host=True), val_loss=val_loss,
-                       moments={k: _partitions(v, host=True) for k, v in moments.items()} if moments else None)
-    local_map = _local(level_map)
-    small = coalesce(weights, local_map)
-    small_moments = {k: coalesce(moments[k], local_map, kind=k) for k in MOMENTS} if moments else None
-    del weights, moments
+    saved = SavedLevel(level=current.level, shapes={}, weights={}, val_loss=val_loss,
+                       moments={key: {} for key in MOMENTS} if map_moments else None)
+    small = _Shares()
+    for group in coalesce_groups(names, local_map):
+        for kind in _kinds(map_moments):
+            large = {name: read(kind, name) for name in group}
+            saved.shapes.update((name, tuple(t.shape)) for name, t in large.items())
+            kept = saved.weights if kind == "param" else saved.moments[kind]
+            kept.update((name, dp_partition(t).cpu()) for name, t in large.items())
+            small.keep(kind, coalesce(large, local_map, kind=kind, backend=backend))
+            del large
+    step = optimizer_step_count(engine)
     destroy_engine(engine)
     del engine
     gc.collect()
-    new_engine = build_engine(plan, following, small)
-    if small_moments is not None:
-        set_moments(new_engine, small_moments, step)
-    return new_engine, saved
+    return _build(plan, following, small.full, map_moments, step), saved
 
 
-def _decoalesce(engine, plan: RunPlan, following: Phase, saved: SavedLevel, map_moments: bool):
-    """Level `saved.level + 1` -> `saved.level`, interpolating with the saved large state."""
-    level_map = plan.level_maps[saved.level - 1]
-    alpha = plan.config.multilevel.alpha
-    small = full_weights(engine)
-    small_moments = full_moments(engine) if map_moments else None
+def _decoalesce(engine, plan: RunPlan, following: Phase, saved: Optional[SavedLevel], map_moments: bool):
+    """Level `following.level + 1` -> `following.level`, interpolating with the saved large state
+    (None: the de-coalesced tensors are the large model's), a small tensor at a time."""
+    if saved is not None and map_moments and saved.moments is None:
+        raise RuntimeError("map policy: the saved level has no moments to interpolate with")
+    local_map = _local(plan.level_maps[following.level - 1])
+    alpha, backend = plan.config.multilevel.alpha, plan.config.multilevel.transition_backend
+    names, read = tensor_reader(engine, map_moments)
+    small = _Shares()
+    for name in names:
+        for kind in _kinds(map_moments):
+            small.keep(kind, {name: read(kind, name)})
     step = optimizer_step_count(engine)
     destroy_engine(engine)
     del engine
     gc.collect()
 
-    def upsample(tensors: dict[str, torch.Tensor], saved_parts: dict[str, torch.Tensor], kind: str):
-        large = decoalesce(tensors, _local(level_map), kind=kind)
-        device = next(iter(large.values())).device
-        mixed = interpolate(_partitions(large), {n: t.to(device) for n, t in saved_parts.items()}, alpha)
-        return {name: _gather(mixed[name], saved.shapes[name]) for name in saved.shapes}
+    def large(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The large model's full tensors of `kind`, one small tensor's de-coalesced copies at a time."""
+        for name, tensor in small.full(kind):
+            if saved is None:
+                yield from decoalesce({name: tensor}, local_map, kind=kind, backend=backend).items()
+                continue
+            parts = saved.weights if kind == "param" else saved.moments[kind]
+            kept = {large_name: dp_gather(parts.pop(large_name).to(tensor.device), saved.shapes[large_name])
+                    for large_name in decoalesced_names(name, local_map)}
+            yield from decoalesce_interpolate({name: tensor}, kept, local_map, alpha, kind=kind,
+                                              backend=backend).items()
 
-    weights = upsample(small, saved.weights, "param")
-    moments = None
-    if small_moments is not None:
-        if saved.moments is None:
-            raise RuntimeError("map policy: the saved level has no moments to interpolate with")
-        moments = {k: upsample(small_moments[k], saved.moments[k], k) for k in MOMENTS}
-    del small, small_moments
-    new_engine = build_engine(plan, following, weights)
-    if moments is not None:
-        set_moments(new_engine, moments, step)
-    return new_engine
+    return _build(plan, following, large, map_moments, step)

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/dist/train_checks.py two CORPUS_DIR WORK_DIR RESULTS_JSON
     torchrun --nproc_per_node 4 tests/dist/train_checks.py four CORPUS_DIR WORK_DIR RESULTS_JSON
+    torchrun --nproc_per_node 2 tests/dist/train_checks.py relayout CORPUS_DIR WORK_DIR RESULTS_JSON
 
 Every check of a suite trains in its one process group, so the launch cost is paid once. Rank 0
 writes the run summaries and per-step losses to RESULTS_JSON; tests/test_train.py and
@@ -9,6 +10,8 @@ tests/test_parallel.py assert on them.
 """
 import json
 import math
+import random
+import shutil
 import sys
 import warnings
 from dataclasses import asdict
@@ -16,6 +19,8 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from msds.config import load_run_config  # noqa: E402
@@ -55,6 +60,18 @@ def random_ltd_ds_config(work, stage):
     return path
 
 
+def scramble_generators():
+    """Move every generator a checkpoint keeps away from where the stopped run left it (as a new
+    process would start): a resume that did not restore one of them would draw differently."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.seed(dist.get_rank() + 99)
+    np.random.seed(dist.get_rank() + 99)
+    torch.manual_seed(dist.get_rank() + 99)
+    with get_cuda_rng_tracker().fork():
+        torch.rand(1000)
+
+
 def two(corpus, work):
     results = {}
     for arch in ("gpt", "bert"):
@@ -71,13 +88,23 @@ def two(corpus, work):
         second = run(name, "gpt", corpus, work, f"training.zero_stage={stage}", "checkpoint.at_transitions=true")
         results[name] = {"first": first, "second": second}
     results["gpt-dp2-exact"] = run("gpt-dp2-exact", "gpt", corpus, work, *EXACT)
+    # Precisions and ZeRO 0: the same V-cycle as gpt-zero1 in bf16 (DeepSpeed's CPU accelerator has
+    # bf16), and in fp32 with ZeRO 0.
+    results["gpt-bf16"] = run("gpt-bf16", "gpt", corpus, work, "training.precision=bf16")
+    results["gpt-zero0"] = run("gpt-zero0", "gpt", corpus, work, "training.zero_stage=0")
     # Tensor parallelism: re-creates megatron's parallel state for TP=2 (data parallel 1).
     exact = [*EXACT, "parallel.tensor=2"]
     for arch in ("gpt", "bert"):
         results[f"{arch}-tp2"] = run(f"{arch}-tp2", arch, corpus, work, *exact, "checkpoint.at_transitions=true")
-    first = run("gpt-tp2-resumed", "gpt", corpus, work, *exact, "checkpoint.at_transitions=true",
-                "training.exit_after_steps=12")
-    second = run("gpt-tp2-resumed", "gpt", corpus, work, *exact, "checkpoint.at_transitions=true")
+    # 1025 tokens: padded to 1280 rows (make_vocab_size_divisible_by 128 x TP 2).
+    results["gpt-tp2-padded"] = run("gpt-tp2-padded", "gpt", corpus, work, *exact, "model.vocab_size=1025")
+    # Dropout 0.1 (the recipe's): attention dropout draws from megatron's per-rank tracker stream,
+    # the rest from torch's generator; the resumed half starts with both scrambled, as a new process.
+    dropout = ["parallel.tensor=2", "checkpoint.at_transitions=true"]
+    results["gpt-tp2-dropout"] = run("gpt-tp2-dropout", "gpt", corpus, work, *dropout)
+    first = run("gpt-tp2-resumed", "gpt", corpus, work, *dropout, "training.exit_after_steps=12")
+    scramble_generators()
+    second = run("gpt-tp2-resumed", "gpt", corpus, work, *dropout)
     results["gpt-tp2-resumed"] = {"first": first, "second": second}
     # Pipeline parallelism: two stages (data parallel 1).
     from msds.compat import deepspeed_0_19
@@ -103,8 +130,31 @@ def four(corpus, work):
                                       "parallel.tensor=2") for arch in ("gpt", "bert")}}
 
 
+# Resuming on another layout (tests/test_relayout.py, which uses the same overrides): a short
+# V-cycle, phases of 2, 2, 4, 2 and 2 steps, cut at step 6, inside its bottom phase (levels 1 and 2
+# saved, with their Adam moments).
+SHORT_VCYCLE = [*EXACT, "multilevel.phase_steps=[2,2,4,2,2]", "logging.eval_batches=1"]
+RELAYOUT_FROM = {"dp2": [], "tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"]}
+
+
+def relayout(corpus, work):
+    """Each two-process layout of RELAYOUT_FROM cut at step 6, a copy of the cut run kept in
+    WORK/<name>-cut (tests/test_relayout.py resumes it on one process), then continued on its own
+    layout: the reference. And the one-process run the test left cut in WORK/dp1-to-dp2, resumed on
+    two processes with half the micro-batch (the same global batch)."""
+    results = {}
+    for name, layout in RELAYOUT_FROM.items():
+        run(name, "gpt", corpus, work, *SHORT_VCYCLE, *layout, "training.exit_after_steps=6")
+        if dist.get_rank() == 0:
+            shutil.copytree(work / name, work / f"{name}-cut")
+        dist.barrier()
+        results[name] = run(name, "gpt", corpus, work, *SHORT_VCYCLE, *layout)
+    results["dp1-to-dp2"] = run("dp1-to-dp2", "gpt", corpus, work, *SHORT_VCYCLE, "training.micro_batch_size=2")
+    return results
+
+
 def main(suite, corpus, work, results_path):
-    results = {"two": two, "four": four}[suite](Path(corpus), Path(work))
+    results = {"two": two, "four": four, "relayout": relayout}[suite](Path(corpus), Path(work))
     if dist.get_rank() == 0:
         finite = lambda x: None if x != x or math.isinf(x) else x  # noqa: E731 (NaN/inf are not JSON)
         Path(results_path).write_text(json.dumps(results, indent=1, default=finite))

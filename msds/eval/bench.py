@@ -1,0 +1,109 @@
+"""The `eval:` section of a bench config: each variant's final model evaluated on the same tasks, and
+whether a saving holds at equal quality.
+
+    eval:
+      tasks: [heldout-ppl, cloze]     # any fields of msds.eval.run.EvalSettings
+      max_examples: 200
+
+A variant is *at equal quality* when, on every task, its mean over the seeds is at least as good as
+the reference baseline's worst seed (the reference's seed spread, or better). Evaluated are the
+reference and every variant outside the baseline sweep; each run's record is kept in
+<run_dir>/eval.json and reused while the settings and the model's weights are the same.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from msds.config import ConfigError, from_dict
+from msds.errors import MsdsError
+from msds.eval.run import TASKS, EvalSettings, check_settings, check_tasks_fit, evaluate
+from msds.integrity import sha256_file
+
+EVAL_FILE = "eval.json"
+
+
+def bench_eval_settings(bench: dict, arch: str) -> EvalSettings | None:
+    """The checked `eval:` section (None when absent); errors name `eval.<field>`."""
+    if bench.get("eval") is None:
+        return None
+    settings = from_dict(EvalSettings, bench["eval"], "eval")
+    try:
+        check_settings(settings, "eval")
+        check_tasks_fit(settings.tasks, arch, "eval.tasks")
+    except MsdsError as exc:
+        raise ConfigError(str(exc)) from None
+    return settings
+
+
+def evaluate_run(run_dir: Path, data_path: str, settings: EvalSettings) -> dict[str, float]:
+    """Task values of a run's exported model (<run_dir>/model), tokenizer from the run's corpus."""
+    model = run_dir / "model"
+    request = {"settings": asdict(settings), "model_sha256": sha256_file(model / "model.safetensors")}
+    saved = run_dir / EVAL_FILE
+    if saved.is_file():
+        record = json.loads(saved.read_text())
+        if record.get("request") == request:
+            print(f"bench: {saved} is up to date, reusing it", flush=True)
+            return {task: entry["value"] for task, entry in record["tasks"].items()}
+    print(f"bench: evaluating {model}", flush=True)
+    record = evaluate(model, settings, data_path)
+    saved.write_text(json.dumps({"request": request, **record}, indent=1))
+    return {task: entry["value"] for task, entry in record["tasks"].items()}
+
+
+def _spread(values: list[float], higher_is_better: bool) -> dict:
+    ordered = sorted(values, reverse=higher_is_better)
+    return {"mean": statistics.fmean(values), "best": ordered[0], "worst": ordered[-1], "per_seed": values}
+
+
+def quality(values: dict[str, dict[str, dict[str, float]]], reference: str, settings: EvalSettings) -> dict:
+    """From {seed: {variant: {task: value}}}: each variant's spread per task and its verdict."""
+    seeds = list(values)
+    names = list(values[seeds[0]])
+    out = {"tasks": {t: {"metric": TASKS[t].metric, "higher_is_better": TASKS[t].higher_is_better}
+                     for t in settings.tasks},
+           "reference": reference, "variants": {}}
+    for name in names:
+        spreads = {t: _spread([values[s][name][t] for s in seeds], TASKS[t].higher_is_better) for t in settings.tasks}
+        out["variants"][name] = {"tasks": spreads}
+    for name, record in out["variants"].items():
+        worse = []
+        for task, spread in record["tasks"].items():
+            floor = out["variants"][reference]["tasks"][task]["worst"]
+            better_or_equal = spread["mean"] >= floor if TASKS[task].higher_is_better else spread["mean"] <= floor
+            if not better_or_equal:
+                worse.append(task)
+        record["equal_quality"] = not worse
+        record["worse_than_reference_spread"] = worse
+    return out
+
+
+def evaluate_bench(seed_dirs: dict[str, Path], data_paths: dict[str, str], names: list[str], reference: str,
+                   settings: EvalSettings) -> dict:
+    """Evaluate `names` (the reference among them) in every seed directory, then `quality()`."""
+    values = {label: {name: evaluate_run(seed_dir / name, data_paths[label], settings) for name in names}
+              for label, seed_dir in seed_dirs.items()}
+    return quality(values, reference, settings)
+
+
+def eval_markdown(results: dict) -> str:
+    """The scores beside the FLOPs savings, and the equal-quality verdict, one row per variant."""
+    quality_record = results["eval"]
+    tasks = quality_record["tasks"]
+    header = " | ".join(f"{t} ({spec['metric']}, {'higher' if spec['higher_is_better'] else 'lower'} is better)"
+                        for t, spec in tasks.items())
+    lines = ["", "### downstream evaluation", "",
+             f"Mean (best..worst) over the seeds. At equal quality: every task's mean at least as good as the "
+             f"reference's (`{quality_record['reference']}`) worst seed.", "",
+             f"| variant | {header} | FLOPs saving, mean / worst | at equal quality |",
+             "|---|" + "---|" * (len(tasks) + 2)]
+    for name, record in quality_record["variants"].items():
+        cells = " | ".join(f"{s['mean']:.4g} ({s['best']:.4g}..{s['worst']:.4g})" for s in record["tasks"].values())
+        saving = results["variants"][name]["flops_saving"]
+        pct = ["-" if x is None else f"{100 * x:.1f}%" for x in (saving["mean"], saving["worst"])]
+        verdict = "yes" if record["equal_quality"] else "no: " + ", ".join(record["worse_than_reference_spread"])
+        lines.append(f"| {name} | {cells} | {pct[0]} / {pct[1]} | {verdict} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,100 @@
+"""Streamed transitions: the operators over coalescing groups and per small tensor equal the
+whole-model operators, and a real engine's transition (ZeRO 1, and ZeRO 3 with the new model built
+partitioned) installs exactly the whole-model result, with its memory record. The multi-process
+exactness checks (alpha 0, resume after a transition, ZeRO 1/2/3, TP, PP) are in test_train.py and
+test_parallel.py."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from msds.compat import deepspeed_0_19 as ds_compat
+from msds.config import load_run_config, model_config
+from msds.data import eval_batches, train_batches
+from msds.errors import MsdsError
+from msds.model.files import model_tensors
+from msds.model.transformer import Transformer
+from msds.multilevel.operators import (coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
+                                       decoalesced_names, interpolate, plan_level)
+from msds.plan import build_plan
+from msds.train.engine import (MOMENTS, build_engine, destroy_engine, full_moments, full_weights,
+                               optimizer_step_count, train_step)
+from msds.train.transition import run_transition
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
+
+
+@pytest.mark.parametrize("depth_layout", ["adjacent", "strided"])
+def test_groups_and_single_tensors_give_the_whole_model_operators(depth_layout):
+    cfg = model_config("bert-tiny", num_layers=4, num_heads=4, hidden_size=32, ffn_size=64)
+    level = plan_level(cfg, hidden=2, heads=2, ffn=2, layers=2, depth_layout=depth_layout)
+    large = model_tensors(Transformer(cfg))
+    groups = coalesce_groups(large, level)
+    assert sorted(n for g in groups for n in g) == sorted(large)
+    assert max(len(g) for g in groups) == 2                      # a tensor and its depth partner
+    whole = coalesce(large, level, kind="exp_avg")
+    streamed = {}
+    for group in groups:
+        streamed.update(coalesce({n: large[n] for n in group}, level, kind="exp_avg"))
+    assert sorted(streamed) == sorted(whole) and all(torch.equal(streamed[n], whole[n]) for n in whole)
+
+    small = coalesce(large, level)
+    saved = {n: torch.randn_like(t) for n, t in large.items()}
+    for alpha in (0.0, 0.3, 1.0):
+        expected = interpolate(decoalesce(small, level), saved, alpha)
+        for name, tensor in small.items():
+            targets = decoalesced_names(name, level)
+            got = decoalesce_interpolate({name: tensor}, {n: saved[n] for n in targets}, level, alpha)
+            assert list(got) == targets and all(torch.equal(got[n], expected[n]) for n in targets)
+    name = "layers.0.mlp.fc1.weight"
+    with pytest.raises(MsdsError, match=r"missing from the saved tensors"):
+        decoalesce_interpolate({name: small[name]}, {}, level, 0.5)
+    with pytest.raises(MsdsError, match=r"^embeddings\.word\.weight: saved, but none of the small tensors"):
+        decoalesce_interpolate({}, {"embeddings.word.weight": saved["embeddings.word.weight"]}, level, 0.5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_streamed_transitions_install_the_whole_model_operators(train_corpus, tmp_path, stage):
+    """Down and up on a real engine (one process): the new engines hold exactly coalesce / the
+    interpolated de-coalesce of the whole model, weights and both moments, the step count kept; the
+    record carries every rank's seconds and peak memory."""
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", f"run_dir={tmp_path}", "logging.tensorboard=false",
+                                   f"training.zero_stage={stage}", "multilevel.phase_steps=[1,1,1]",
+                                   "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 2}]",
+                                   "multilevel.alpha=0.25"])
+    plan = build_plan(cfg)
+    level = plan.level_maps[0]
+    batches = train_batches(train_corpus, "gpt", cfg.data.seq_len, cfg.training.micro_batch_size, 0, 0, 1)
+    eval_set = eval_batches(train_corpus, "valid", "gpt", cfg.data.seq_len, cfg.training.micro_batch_size, 1)
+    torch.manual_seed(0)
+    engine = build_engine(plan, plan.phases[0], None)
+    train_step(engine, batches, 1, None)
+    large, large_moments = full_weights(engine), full_moments(engine)
+    saved = []
+    engine, down = run_transition(engine, plan, plan.phases[0], plan.phases[1], saved, eval_set, 1)
+
+    def assert_holds(weights, moments):
+        got, got_moments = full_weights(engine), full_moments(engine)
+        assert sorted(got) == sorted(weights) and all(torch.equal(got[n], weights[n]) for n in weights)
+        for key in MOMENTS:
+            assert all(torch.equal(got_moments[key][n], moments[key][n]) for n in weights), key
+        assert optimizer_step_count(engine) == 1
+        # Matrices decay, the rest does not: also for a model built partitioned (ZeRO 3).
+        groups = ds_compat.base_optimizer(engine).param_groups
+        assert [g["weight_decay"] for g in groups] == [cfg.optimizer.weight_decay, 0.0]
+
+    try:
+        assert_holds(coalesce(large, level), {k: coalesce(large_moments[k], level, kind=k) for k in MOMENTS})
+        small, small_moments = full_weights(engine), full_moments(engine)
+        engine, up = run_transition(engine, plan, plan.phases[1], plan.phases[2], saved, eval_set, 2)
+        assert saved == []
+        assert_holds(interpolate(decoalesce(small, level), large, 0.25),
+                     {k: interpolate(decoalesce(small_moments[k], level, kind=k), large_moments[k], 0.25)
+                      for k in MOMENTS})
+        for record in (down, up):
+            [rank] = record["ranks"]
+            assert rank["rank"] == 0 and 0 < rank["seconds"] == record["seconds"]
+            assert rank["rss_peak_extra_mb"] >= 0 and math.isfinite(rank["rss_peak_extra_mb"])
+    finally:
+        destroy_engine(engine)
