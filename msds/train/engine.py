@@ -122,7 +122,7 @@ def _plain_optimizer_state(engine, param) -> dict:
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """Every parameter's full (over data parallelism; this rank's tensor-parallel shard) fp32 value
     on the engine's device: each tensor is gathered in turn and a copy of it kept, so the result
-    holds the whole model at once on every rank (for exports and tests; transitions stream with
+    holds the whole model at once on every rank (for the exported model; transitions stream with
     `tensor_reader`)."""
     return {name: full_weight(p) for name, p in named_parameters(engine.module)}
 
@@ -169,13 +169,10 @@ def gather_pipeline_stages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def full_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Adam's exp_avg and exp_avg_sq of every parameter, like `full_weights`."""
-    out = {key: {} for key in MOMENTS}
-    ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
-    for name, p in named_parameters(engine.module):
-        for key in MOMENTS:
-            out[key][name] = full_moment(engine, p, key)
-    return out
+    """Adam's exp_avg and exp_avg_sq of every parameter, like `full_weights` (for tests: transitions
+    stream with `tensor_reader`)."""
+    names, read = tensor_reader(engine, moments=True)
+    return {key: {name: read(key, name) for name in names} for key in MOMENTS}
 
 
 def tensor_reader(engine, moments: bool) -> tuple[list[str], Callable[[str, str], torch.Tensor]]:
@@ -194,7 +191,7 @@ def tensor_reader(engine, moments: bool) -> tuple[list[str], Callable[[str, str]
 
 def full_moment(engine, param, key: str) -> torch.Tensor:
     """One parameter's full Adam moment `key` (a copy), a collective like `full_weight`. Call
-    ds_compat.relink_hp_optimizer_states(engine) once before (as `full_moments` does)."""
+    ds_compat.relink_hp_optimizer_states(engine) once before (as `tensor_reader` does)."""
     full = safe_get_full_optimizer_state(param, key)
     if full is None:
         full = _plain_optimizer_state(engine, param).get(key, torch.zeros_like(param))
