@@ -364,7 +364,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
                for label, s in zip(seed_dirs, seed_list)}
     members = list(sweep_variants(bench, list(overrides)))
     names = list(next(iter(configs.values())))
-    eval_settings = bench_eval_settings(bench, next(iter(configs.values()))[BASELINE].model.arch)
+    eval_settings = bench_eval_settings(bench, next(iter(configs.values()))[BASELINE].model)
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:

@@ -161,6 +161,43 @@ def test_trained_bert_beats_an_untrained_one_on_pseudo_perplexity(tiny_models, t
     assert ppl["value"] < 0.6 * fresh_ppl["value"] and ppl["n"] == fresh_ppl["n"]
 
 
+def test_sentence_order_task_scores_the_training_pairs(tiny_models, train_corpus, tmp_path, capsys):
+    """`sop` lays the held-out stream out as sentence-order training pairs (half swapped by the
+    hash) and scores the next-sentence head: the same pairs on every call, a majority reference near
+    one half, and one clear error for a model without the head."""
+    import dataclasses
+
+    from msds.data.indexed import TokenDataset
+    from msds.data.samples import Samples
+    from msds.data.tokenizer import TokenizerInfo
+    from msds.eval.lm import MASK_SEED, sentence_order_scores
+    from transformers import BertForPreTraining
+    from tokenizers import Tokenizer
+
+    trained_dir, _ = tiny_models["bert"]
+    model_cfg, _, _ = load_model(trained_dir)
+    with_head = dataclasses.replace(model_cfg, nsp_head=True)
+    save_model(tmp_path / "sop", with_head, model_tensors(Transformer(with_head, seed=5)))
+    settings = EvalSettings(tasks=["sop"], max_examples=96, batch_size=32)
+    first = evaluate(tmp_path / "sop", settings, train_corpus, log=lambda _: None)["tasks"]["sop"]
+    again = evaluate(tmp_path / "sop", settings, train_corpus, log=lambda _: None)["tasks"]["sop"]
+    assert first == {**again, "seconds": first["seconds"]}
+    assert first["n"] == 96 and first["metric"] == "accuracy" and 0.5 <= first["reference"]["value"] < 0.65
+    # The pairs are the training layout of the stream: the labels the task scored are the sampler's.
+    info = TokenizerInfo.of(Tokenizer.from_file(str(train_corpus / "tokenizer.json")))
+    stream = np.arange(1000, dtype=np.int64) % 500 + 20
+    pairs = Samples(TokenDataset("heldout", stream, np.array([0, len(stream)])), "bert", 32, MASK_SEED, info,
+                    sentence_order=True)
+    truth = pairs.get_batch(np.arange(len(pairs)), 0)["next_sentence_labels"].bool().tolist()
+    hf = write_hf(tmp_path / "sop-hf", with_head, model_tensors(Transformer(with_head, seed=5)))
+    correct, swapped = sentence_order_scores(BertForPreTraining.from_pretrained(hf).eval(), [stream[:-1].tolist()],
+                                             info, 32, 8, None)
+    assert swapped == truth and len(correct) == len(pairs)
+    assert "task 'sop' scores the sentence-order head, which this model does not have" in \
+        _error(capsys, "--model", str(trained_dir), "--tasks", "sop", "--out", str(tmp_path / "o.json"),
+               "--tokenizer", str(train_corpus))
+
+
 @pytest.fixture(scope="module")
 def fresh_minilm(tmp_path_factory):
     """An untrained BERT of all-MiniLM-L6-v2's shape, as an msds checkpoint."""
@@ -191,7 +228,7 @@ def test_bad_input_is_one_clear_error_before_any_work(tmp_path, capsys, train_co
     gpt, _ = tiny_models["gpt"]
     out = tmp_path / "out.json"
     common = ["--out", str(out), "--tokenizer", str(train_corpus)]
-    assert "unknown task 'glue'; known: heldout-ppl, cloze, spam, sotu" in \
+    assert "unknown task 'glue'; known: heldout-ppl, cloze, spam, sotu, sop" in \
         _error(capsys, "--model", str(gpt), "--tasks", "cloze,glue", *common)
     assert "task 'spam' needs a BERT model, this one is GPT; its tasks: heldout-ppl, cloze" in \
         _error(capsys, "--model", str(gpt), "--tasks", "spam", *common)

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from msds.config import ConfigError, from_dict
+from msds.config import ConfigError, ModelConfig, from_dict
 from msds.errors import MsdsError
 from msds.eval.run import TASKS, EvalSettings, check_settings, check_tasks_fit, evaluate
 from msds.integrity import sha256_file
@@ -25,14 +25,14 @@ from msds.integrity import sha256_file
 EVAL_FILE = "eval.json"
 
 
-def bench_eval_settings(bench: dict, arch: str) -> EvalSettings | None:
+def bench_eval_settings(bench: dict, model: ModelConfig) -> EvalSettings | None:
     """The checked `eval:` section (None when absent); errors name `eval.<field>`."""
     if bench.get("eval") is None:
         return None
     settings = from_dict(EvalSettings, bench["eval"], "eval")
     try:
         check_settings(settings, "eval")
-        check_tasks_fit(settings.tasks, arch, "eval.tasks")
+        check_tasks_fit(settings.tasks, model, "eval.tasks")
     except MsdsError as exc:
         raise ConfigError(str(exc)) from None
     return settings

@@ -12,7 +12,7 @@ DESCRIPTION = """Evaluate a model on downstream tasks, offline, from pinned regi
 tasks: heldout-ppl (GPT perplexity / BERT masked-LM pseudo-perplexity on held-out Wikipedia, Moby
 Dick and Shakespeare text), cloze (GPT: last-word prediction), spam and sotu (BERT: fine-tuning on
 SpamAssassin spam-vs-ham and State of the Union era, learning-rate grid x seeds, median dev accuracy
-of the best learning rate)."""
+of the best learning rate), sop (BERT with the sentence-order head: accuracy on held-out pairs)."""
 
 
 def _numbers(kind):
@@ -29,7 +29,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="msds model checkpoint (<run_dir>/model) or Hugging Face BERT / GPT-2 directory")
-    parser.add_argument("--tasks", required=True, metavar="NAME[,NAME...]", help="heldout-ppl, cloze, spam, sotu")
+    parser.add_argument("--tasks", required=True, metavar="NAME[,NAME...]", help="heldout-ppl, cloze, spam, sotu, sop")
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where the results are written")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="the model's tokenizer: the prepared corpus it was trained on (the run's data.path), "

@@ -8,6 +8,9 @@ and cloze (last-word) scoring. Inputs are token ids; outputs are sums, so caller
   [CLS] window [SEP]; a fixed 15% of each window's positions (at least one), chosen by the counter-based
   hash of msds/data/samples.py from (MASK_SEED, window index, position), are all replaced by [MASK]
   and scored. Every machine masks the same positions.
+- Sentence order (BERT): the stream laid out as BERT's sentence-order training samples
+  (msds/data/samples.py, seed MASK_SEED, masked as in training); half the pairs swapped by the hash;
+  the next-sentence head's argmax is the prediction (0: in order, 1: swapped).
 - Cloze: context + target tokens, the context cut from the left to fit the window; the score is
   the sum of the target tokens' log-probabilities, each given the context and the target tokens
   before it; the example is correct when every target token is the model's argmax there (greedy
@@ -19,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from msds.data.samples import MASK_PROBABILITY, uniform
+from msds.data.indexed import TokenDataset
+from msds.data.samples import MASK_PROBABILITY, Samples, uniform
+from msds.data.tokenizer import TokenizerInfo
 
 MASK_SEED = 2024
 IGNORE = -100
@@ -87,6 +92,26 @@ def bert_nll(model, documents: list[list[int]], separator: int, special: dict[st
         total += float(F.cross_entropy(logits.flatten(0, 1), label_ids.flatten(), ignore_index=IGNORE, reduction="sum"))
         count += int((label_ids != IGNORE).sum())
     return total, count
+
+
+@torch.no_grad()
+def sentence_order_scores(model, documents: list[list[int]], info: TokenizerInfo, seq_len: int, batch_size: int,
+                          max_pairs: int | None) -> tuple[list[bool], list[bool]]:
+    """(correct, swapped) of each sentence-order pair cut from the documents' stream (at most
+    `max_pairs`, the first ones); `model` is a BertForPreTraining."""
+    stream = np.asarray(_stream(documents, info.document_separator_id), dtype=np.int64)
+    pairs = Samples(TokenDataset("heldout", stream, np.array([0, len(stream)])), "bert", seq_len, MASK_SEED, info,
+                    sentence_order=True)
+    count = len(pairs) if max_pairs is None else min(len(pairs), max_pairs)
+    correct, swapped = [], []
+    for start in range(0, count, batch_size):
+        batch = pairs.get_batch(np.arange(start, min(start + batch_size, count)), 0)
+        logits = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                       attention_mask=batch["attention_mask"]).seq_relationship_logits
+        truth = batch["next_sentence_labels"]
+        correct += (logits.argmax(dim=-1) == truth).tolist()
+        swapped += truth.bool().tolist()
+    return correct, swapped
 
 
 def cloze_window(context: list[int], target: list[int], seq_len: int) -> list[int]:

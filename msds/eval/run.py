@@ -27,7 +27,7 @@ from msds.data.tokenizer import TokenizerInfo
 from msds.errors import MsdsError
 from msds.eval import examples as ex
 from msds.eval.finetune import glue_protocol
-from msds.eval.lm import bert_nll, cloze_scores, gpt_nll
+from msds.eval.lm import bert_nll, cloze_scores, gpt_nll, sentence_order_scores
 from msds.integrity import sha256_file
 from msds.model.files import is_model_checkpoint, load_model
 from msds.model.hf import read_hf, write_hf
@@ -40,13 +40,14 @@ class EvalSettings:
     """What `msds eval` runs and how (the `eval:` section of a bench config holds the same fields)."""
 
     tasks: list[str] = field(default_factory=list)
-    """Task names: heldout-ppl (GPT, BERT), cloze (GPT), spam and sotu (BERT)."""
+    """Task names: heldout-ppl (GPT, BERT), cloze (GPT), spam and sotu (BERT), sop (BERT with the
+    sentence-order head, `model.nsp_head`)."""
     seq_len: Optional[int] = None
     """Tokens per window / classifier input; default min(128, the model's max_positions)."""
     batch_size: int = 16
     """Sequences per forward pass, and the fine-tuning batch size."""
     max_examples: Optional[int] = None
-    """At most this many held-out documents per domain and cloze examples, the first ones in the
+    """At most this many held-out documents per domain, cloze examples and sentence-order pairs, the first ones in the
     fixed order. Default: all."""
     train_examples: int = 500
     """Fine-tuning training examples per task (the first ones in the fixed order)."""
@@ -72,6 +73,7 @@ TASKS = {
     "cloze": Task(("gpt",), "accuracy", True),
     "spam": Task(("bert",), "accuracy", True),
     "sotu": Task(("bert",), "accuracy", True),
+    "sop": Task(("bert",), "accuracy", True),
 }
 
 
@@ -97,12 +99,16 @@ def check_settings(settings: EvalSettings, path: str = "") -> None:
         raise MsdsError(f"{_name(path, 'seeds')}: expected distinct seeds, got {settings.seeds}")
 
 
-def check_tasks_fit(tasks: list[str], arch: str, where: str) -> None:
+def check_tasks_fit(tasks: list[str], cfg: ModelConfig, where: str) -> None:
+    arch = cfg.arch
     for task in tasks:
         if arch not in TASKS[task].archs:
             fitting = [t for t, spec in TASKS.items() if arch in spec.archs]
             raise MsdsError(f"{where}: task {task!r} needs a {' or '.join(a.upper() for a in TASKS[task].archs)} "
                             f"model, this one is {arch.upper()}; its tasks: {', '.join(fitting)}")
+        if task == "sop" and not cfg.nsp_head:
+            raise MsdsError(f"{where}: task 'sop' scores the sentence-order head, which this model does not have; "
+                            f"train with data.sentence_order: true and model.nsp_head: true")
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +193,7 @@ class Context:
     cfg: ModelConfig
     hf_dir: str
     tokenizer: Tokenizer
+    tokenizer_info: TokenizerInfo
     special: dict[str, int]
     settings: EvalSettings
     seq_len: int
@@ -246,6 +253,20 @@ def cloze(ctx: Context) -> dict:
                   mean_target_tokens=mean_tokens)
 
 
+def sop(ctx: Context) -> dict:
+    documents = ex.heldout_documents(ctx.cache_dir)
+    ids = ctx.encode([d["text"] for d in documents.examples])
+    from transformers import BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(ctx.hf_dir).eval()
+    correct, swapped = sentence_order_scores(model, ids, ctx.tokenizer_info, ctx.seq_len, ctx.settings.batch_size,
+                                             ctx.settings.max_examples)
+    n = len(correct)
+    majority = max(sum(swapped), n - sum(swapped)) / n
+    return _entry("sop", sum(correct) / n, n, {"kind": "majority order (chance)", "value": majority},
+                  documents, kind="sentence-order pairs of the held-out stream, laid out and masked as in training")
+
+
 def _classification(task: str, examples: ex.ExampleSet, ctx: Context) -> dict:
     train = [e for e in examples.examples if e["split"] == "train"][:ctx.settings.train_examples]
     dev = [e for e in examples.examples if e["split"] == "dev"][:ctx.settings.dev_examples]
@@ -269,6 +290,7 @@ RUNNERS = {
     "cloze": cloze,
     "spam": lambda ctx: _classification("spam", ex.spam_examples(ctx.cache_dir), ctx),
     "sotu": lambda ctx: _classification("sotu", ex.sotu_examples(ctx.cache_dir), ctx),
+    "sop": sop,
 }
 TASK_SOURCES = {"spam": ex.SPAM_ASSASSIN, "sotu": ex.SOTU}
 
@@ -279,7 +301,7 @@ def evaluate(model_dir: str | Path, settings: EvalSettings, tokenizer_path: str 
     check_settings(settings)
     model = load_eval_model(model_dir)
     cfg = model.cfg
-    check_tasks_fit(settings.tasks, cfg.arch, "--tasks")
+    check_tasks_fit(settings.tasks, cfg, "--tasks")
     tokenizer, tokenizer_record = load_tokenizer(tokenizer_path, model_dir)
     info = TokenizerInfo.of(tokenizer)
     if info.vocab_size > cfg.vocab_size:
@@ -303,7 +325,7 @@ def evaluate(model_dir: str | Path, settings: EvalSettings, tokenizer_path: str 
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="msds-eval-") as scratch:
         hf_dir = str(write_hf(Path(scratch) / "hf", cfg, model.tensors))
-        ctx = Context(cfg, hf_dir, tokenizer, special, settings, seq_len, cache, log)
+        ctx = Context(cfg, hf_dir, tokenizer, info, special, settings, seq_len, cache, log)
         for task in settings.tasks:
             log(f"eval: {task}")
             start = time.perf_counter()

@@ -296,10 +296,14 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None,
-                next_sentence_labels=None):
-        """With `next_sentence_labels` (sentence-order pairs), the loss adds the next-sentence head's
-        cross entropy to the masked-LM loss, as BERT's pretraining loss does."""
+                next_sentence_labels=None, sentence_order_logits=False):
+        """The loss with `labels`, else the LM logits. With `next_sentence_labels` (sentence-order
+        pairs), the loss adds the next-sentence head's cross entropy to the masked-LM loss, as BERT's
+        pretraining loss does. `sentence_order_logits`: only the next-sentence head's [batch, 2]
+        logits (0 in order, 1 swapped), through the module's forward so that ZeRO-3 gathers weights."""
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
+        if sentence_order_logits:
+            return self.head.next_sentence_logits(h)
         logits = self.head(h, self.embeddings.word.weight)
         if labels is None:
             return logits

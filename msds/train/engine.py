@@ -93,7 +93,7 @@ def train_step(engine, batches, grad_accum: int, keep_tokens: int | None) -> tor
         return engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
     losses = []
     for _ in range(grad_accum):
-        loss = engine(**next(batches), keep_tokens=keep_tokens)
+        loss = engine(**on_device(next(batches), engine.device), keep_tokens=keep_tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
@@ -109,9 +109,32 @@ def evaluate(engine, batches: list[dict]) -> float:
         return loss.item()
     engine.eval()
     with torch.no_grad():
-        losses = [engine(**batch).item() for batch in batches]
+        losses = [engine(**on_device(batch, engine.device)).item() for batch in batches]
     engine.train()
     return sum(losses) / len(losses)
+
+
+def sentence_order_accuracy(engine, batches: list[dict]) -> float:
+    """The share of the batches' sentence-order pairs whose order the next-sentence head predicts
+    (argmax; 0 in order, 1 swapped). Not for a pipeline engine (the plan refuses sentence-order pairs
+    there)."""
+    engine.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = on_device(batch, engine.device)
+            logits = engine(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                            attention_mask=batch["attention_mask"], sentence_order_logits=True)
+            correct += int((logits.argmax(dim=-1) == batch["next_sentence_labels"]).sum())
+            total += len(logits)
+    engine.train()
+    return correct / total
+
+
+def on_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A loader batch (host tensors) on the engine's device; DeepSpeed's engine does not move inputs
+    (its pipeline engine does, for the micro-batches it loads)."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def _plain_optimizer_state(engine, param) -> dict:

@@ -50,8 +50,11 @@ class MetricsLogger:
             self.writer.add_scalar("eval/loss", record["val_loss"], record["step"])
             self.writer.add_scalar("eval/perplexity", record["val_ppl"], record["step"])
             self.writer.add_scalar("eval/loss_vs_flops", record["val_loss"], int(record["flops"] / 1e6))
+        if self.writer and "val_sop_accuracy" in record:
+            self.writer.add_scalar("eval/sop_accuracy", record["val_sop_accuracy"], record["step"])
+        sop = f" | SOP accuracy {record['val_sop_accuracy']:.3f}" if "val_sop_accuracy" in record else ""
         print(f"eval at step {record['step']}: level {record['level']} | val loss {record['val_loss']:.4f} "
-              f"| ppl {record['val_ppl']:.2f}", flush=True)
+              f"| ppl {record['val_ppl']:.2f}{sop}", flush=True)
 
     def event(self, kind: str, record: dict, message: str) -> None:
         if not self.enabled:
