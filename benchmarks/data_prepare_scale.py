@@ -2,7 +2,7 @@
 next to Megatron-LM's tools/preprocess_data.py on the same file.
 
     nice -n 10 .venv/bin/python benchmarks/data_prepare_scale.py --work-dir DIR [--gb 1]
-        [--megatron-lm PATH]
+        [--megatron-lm PATH [--megatron-only]]
 
 Generates a JSONL of GB gigabytes (synthetic documents of Zipf-distributed pseudo-words in
 sentences, 0.5-16 KB each), then runs `msds data prepare --jsonl FILE --tokenizer gpt2 --num-proc N`
@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="size of the generated JSONL (default: 1)")
     parser.add_argument("--num-proc", type=int, default=2, help="tokenizer workers of both tools")
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM source tree (tools/preprocess_data.py)")
+    parser.add_argument("--megatron-only", action="store_true",
+                        help="measure only Megatron-LM, on the file and with the tokenizer of an earlier run in "
+                             "--work-dir (its msds-gpt2 output)")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     jsonl = args.work_dir / f"synthetic-{args.gb:g}gb.jsonl"
@@ -112,16 +115,19 @@ def main() -> None:
         generate(jsonl, args.gb)
     size, cores = jsonl.stat().st_size, min(args.num_proc, os.cpu_count() or 1)
     out = args.work_dir / "msds-gpt2"
-    shutil.rmtree(out, ignore_errors=True)  # else prepare finds it up to date and does nothing
-    ours = measure([sys.executable, "-m", "msds.cli", "data", "prepare", "--jsonl", str(jsonl), "--tokenizer",
-                    "gpt2", "--out", str(out), "--num-proc", str(args.num_proc)], args.work_dir / "msds.log")
-    splits = json.loads((out / "manifest.json").read_text())["splits"]
-    lines = [f"{size / 1e6:,.0f} MB JSONL, {args.num_proc} tokenizer workers, {os.cpu_count()} CPU cores, "
-             f"load average at the end {os.getloadavg()[0]:.1f}\n",
+    lines = [f"{size / 1e6:,.0f} MB JSONL, {args.num_proc} tokenizer workers, {os.cpu_count()} CPU cores",
              "| tool | wall s | MB/s | MB/s per core (wall) | MB per CPU-second | peak tree RSS MiB | "
-             "peak tree PSS MiB | tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|",
-             row("msds data prepare (gpt2)", size, ours, cores,
-                 sum(splits[s]["tokens"] for s in ("train", "valid", "test")))]
+             "peak tree PSS MiB | tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    if args.megatron_only:
+        if not (args.megatron_lm and (out / "manifest.json").is_file()):
+            raise SystemExit(f"--megatron-only needs --megatron-lm and an earlier run's {out}")
+    else:
+        shutil.rmtree(out, ignore_errors=True)  # else prepare finds it up to date and does nothing
+        ours = measure([sys.executable, "-m", "msds.cli", "data", "prepare", "--jsonl", str(jsonl), "--tokenizer",
+                        "gpt2", "--out", str(out), "--num-proc", str(args.num_proc)], args.work_dir / "msds.log")
+        splits = json.loads((out / "manifest.json").read_text())["splits"]
+        lines.append(row("msds data prepare (gpt2)", size, ours, cores,
+                         sum(splits[s]["tokens"] for s in ("train", "valid", "test"))))
     if args.megatron_lm:
         prefix = args.work_dir / "megatron"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(args.megatron_lm),
@@ -135,6 +141,7 @@ def main() -> None:
         dataset = IndexedDataset(f"{prefix}_text_document")  # alive while its mapped index is read
         tokens = int(dataset.sequence_lengths.sum())
         lines.append(row("Megatron-LM tools/preprocess_data.py", size, theirs, cores, tokens))
+    lines.append(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print("\n".join(lines))
 
 
