@@ -266,7 +266,8 @@ def test_sentence_order_training_beats_chance(tmp_path):
     model_cfg, tensors, _ = load_model(run_dir / "model")
     head = BertForPreTraining.from_pretrained(write_hf(tmp_path / "hf", model_cfg, tensors)).eval()
     valid = open_split(corpus, "valid")
-    documents = [valid.tokens[a:b].astype(np.int64).tolist() for a, b in zip(valid.doc_offsets[:-1], valid.doc_offsets[1:])]
+    documents = [valid.tokens[a:b].astype(np.int64).tolist()
+                 for a, b in zip(valid.doc_offsets[:-1], valid.doc_offsets[1:])]
     info = TokenizerInfo.of(Tokenizer.from_file(str(corpus / "tokenizer.json")))
     correct, swapped = sentence_order_scores(head, documents, info, 32, 64, None)
     majority = max(np.mean(swapped), 1 - np.mean(swapped))

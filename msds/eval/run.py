@@ -47,8 +47,8 @@ class EvalSettings:
     batch_size: int = 16
     """Sequences per forward pass, and the fine-tuning batch size."""
     max_examples: Optional[int] = None
-    """At most this many held-out documents per domain, cloze examples and sentence-order pairs, the first ones in the
-    fixed order. Default: all."""
+    """At most this many held-out documents per domain, cloze examples and sentence-order pairs,
+    the first ones in the fixed order. Default: all."""
     train_examples: int = 500
     """Fine-tuning training examples per task (the first ones in the fixed order)."""
     dev_examples: int = 500
@@ -254,10 +254,10 @@ def cloze(ctx: Context) -> dict:
 
 
 def sop(ctx: Context) -> dict:
-    documents = ex.heldout_documents(ctx.cache_dir)
-    ids = ctx.encode([d["text"] for d in documents.examples])
     from transformers import BertForPreTraining
 
+    documents = ex.heldout_documents(ctx.cache_dir)
+    ids = ctx.encode([d["text"] for d in documents.examples])
     model = BertForPreTraining.from_pretrained(ctx.hf_dir).eval()
     correct, swapped = sentence_order_scores(model, ids, ctx.tokenizer_info, ctx.seq_len, ctx.settings.batch_size,
                                              ctx.settings.max_examples)
