@@ -299,17 +299,18 @@ class Transformer(nn.Module):
                 next_sentence_labels=None, sentence_order_logits=False):
         """The loss with `labels`, else the LM logits. With `next_sentence_labels` (sentence-order
         pairs), the loss adds the next-sentence head's cross entropy to the masked-LM loss, as BERT's
-        pretraining loss does. `sentence_order_logits`: only the next-sentence head's [batch, 2]
-        logits (0 in order, 1 swapped), through the module's forward so that ZeRO-3 gathers weights."""
+        pretraining loss does; with `sentence_order_logits` as well, (loss, the head's [batch, 2]
+        logits: 0 in order, 1 swapped), so that an evaluation scores both in one pass."""
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
-        if sentence_order_logits:
-            return self.head.next_sentence_logits(h)
         logits = self.head(h, self.embeddings.word.weight)
         if labels is None:
             return logits
         loss = token_loss(logits, labels)
         if next_sentence_labels is not None:
-            loss = loss + F.cross_entropy(self.head.next_sentence_logits(h).float(), next_sentence_labels)
+            order_logits = self.head.next_sentence_logits(h).float()
+            loss = loss + F.cross_entropy(order_logits, next_sentence_labels)
+            if sentence_order_logits:
+                return loss, order_logits
         return loss
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from typing import NamedTuple, Optional
 
 import deepspeed
 import torch
@@ -100,35 +101,36 @@ def train_step(engine, batches, grad_accum: int, keep_tokens: int | None) -> tor
     return torch.stack(losses).mean()
 
 
-def evaluate(engine, batches: list[dict]) -> float:
-    """Mean loss over `batches` (every token, no random-LTD)."""
+class Evaluation(NamedTuple):
+    loss: float
+    sop_accuracy: Optional[float]
+    """With sentence-order pairs: the share whose order the next-sentence head predicts (argmax);
+    else None."""
+
+
+def evaluate(engine, batches: list[dict]) -> Evaluation:
+    """Mean loss over `batches` (every token, no random-LTD) and, in the same pass, the
+    sentence-order accuracy of batches that carry sentence-order labels (never a pipeline's: the plan
+    refuses sentence-order pairs there)."""
     if is_pipeline(engine):
         engine.module.routing.keep_tokens = None
         arch = engine.module.cfg.arch
         loss = engine.eval_batch(iter([pipeline_batch(b, arch) for b in batches]), num_micro_batches=len(batches))
-        return loss.item()
+        return Evaluation(loss.item(), None)
     engine.eval()
-    with torch.no_grad():
-        losses = [engine(**on_device(batch, engine.device)).item() for batch in batches]
-    engine.train()
-    return sum(losses) / len(losses)
-
-
-def sentence_order_accuracy(engine, batches: list[dict]) -> float:
-    """The share of the batches' sentence-order pairs whose order the next-sentence head predicts
-    (argmax; 0 in order, 1 swapped). Not for a pipeline engine (the plan refuses sentence-order pairs
-    there)."""
-    engine.eval()
-    correct = total = 0
+    losses, correct, pairs = [], 0, 0
     with torch.no_grad():
         for batch in batches:
             batch = on_device(batch, engine.device)
-            logits = engine(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                            attention_mask=batch["attention_mask"], sentence_order_logits=True)
-            correct += int((logits.argmax(dim=-1) == batch["next_sentence_labels"]).sum())
-            total += len(logits)
+            if "next_sentence_labels" in batch:
+                loss, logits = engine(**batch, sentence_order_logits=True)
+                correct += int((logits.argmax(dim=-1) == batch["next_sentence_labels"]).sum())
+                pairs += len(logits)
+            else:
+                loss = engine(**batch)
+            losses.append(loss.item())
     engine.train()
-    return correct / total
+    return Evaluation(sum(losses) / len(losses), correct / pairs if pairs else None)
 
 
 def on_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

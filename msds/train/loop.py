@@ -27,7 +27,7 @@ from msds.distributed import data_parallel_group, init_distributed, launched_wor
 from msds.plan import RunPlan, build_plan, check_environment
 from msds.train import checkpointing, relayout
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
-                               gather_tensor_parallel, sentence_order_accuracy, train_step)
+                               gather_tensor_parallel, train_step)
 from msds.train.metrics import MetricsLogger
 from msds.train.transition import SavedLevel, run_transition
 
@@ -96,10 +96,9 @@ class Trainer:
                              consumed_samples=self.state.consumed_samples)
 
     def log_eval(self, engine) -> float:
-        loss = evaluate(engine, self.eval_set)
+        loss, sop_accuracy = evaluate(engine, self.eval_set)
         # With sentence-order pairs val_loss is the sum of the masked-LM and sentence-order losses.
-        extra = {"val_sop_accuracy": sentence_order_accuracy(engine, self.eval_set)} \
-            if self.cfg.data.sentence_order else {}
+        extra = {} if sop_accuracy is None else {"val_sop_accuracy": sop_accuracy}
         self.log.eval({"step": self.state.step, "level": self.phase.level, "val_loss": loss,
                        "val_ppl": math.exp(min(loss, 50.0)), **extra, "flops": self.state.flops,
                        "train_seconds": self.state.train_seconds})

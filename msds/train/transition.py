@@ -179,7 +179,7 @@ def run_transition(engine, plan: RunPlan, current: Phase, following: Phase, save
     and after, and under `ranks` every rank's seconds and peak memory above its level before the
     transition (host RSS; device memory on a GPU), evaluations excluded."""
     map_moments = plan.config.multilevel.optimizer_policy == "map"
-    loss_before = evaluate(engine, eval_set)
+    loss_before = evaluate(engine, eval_set).loss
     rss_before = resident_memory_mb()
     levels = _start_peak_window()
     start = time.perf_counter()
@@ -197,7 +197,7 @@ def run_transition(engine, plan: RunPlan, current: Phase, following: Phase, save
     return engine, {"step": step, "direction": "down" if following.level > current.level else "up",
                     "from_level": current.level, "to_level": following.level, "seconds": seconds,
                     "flops": plan.transition_flops(current.level, following.level),
-                    "loss_before": loss_before, "loss_after": evaluate(engine, eval_set),
+                    "loss_before": loss_before, "loss_after": evaluate(engine, eval_set).loss,
                     "rss_mb_before": rss_before, "rss_mb_after": resident_memory_mb(), "ranks": ranks, **extra}
 
 
