@@ -6,25 +6,33 @@ ZeRO 3, each process's RSS sampled from outside (psutil, every 10 ms).
 The script launches itself as 2 gloo workers (torchrun). Each worker plans a 3-phase V-cycle of the
 test GPT recipe at this size (level 2 = hidden, heads, FFN and layers / 2; ZeRO 3, fp32, Adam's
 moments mapped), trains one step, and runs the down and then the up transition through
-msds.train.transition.run_transition (what `msds train` calls). Around each transition it writes
-marks with wall-clock times: `settle` (after a garbage collection; then it sleeps 1 s), `start`,
-`end` (with the transition's metrics record).
+msds.train.transition.run_transition (what `msds train` calls), each followed by one training step
+of the new level. Around each transition it writes marks with wall-clock times: `settle` (after a
+garbage collection; then it sleeps 1 s), `start`, `end` (with the transition's metrics record),
+`trained` (after the step that follows). Before `end` it hands freed memory back to the system
+(glibc's malloc_trim), so that the level after is what the new engine holds, whatever the version of
+msds under test does.
 
-Per rank and transition, from the samples: `level` = median RSS over the second before `start`,
-`peak` = max RSS between `start` and `end`, `after` = median RSS over the second after `end`. The
-down transition keeps this rank's share of the large model's weights and moments for the way up by
-design (1/dp of them): its transient memory is peak - level - that share. The up transition ends
-with the larger engine in place of the smaller one (its level after is the higher one, by design):
-its transient memory is peak - max(level, after). The goal (issue 18): transient <= 25% of the full
-model's weights and moments (fp32: 12 bytes per parameter). The last column is the peak the
-transition's metrics record itself (`ranks`: Linux's RSS high-water mark, reset at its start).
+Per rank and transition, from the samples: `level` = median RSS over the second before `start`
+(the process as training left it: what a job has to provide anyway), `peak` = max RSS between
+`start` and `end`, `after` = median RSS over the second after `end` (the new engine before its
+first step), `training after` = median RSS over the second after `trained` (the new level while it
+trains: its gradients and activations too). The down transition keeps this rank's share of the large
+model's weights and moments for the way up by design (1/dp of them): its transient memory is
+peak - level - that share. The up transition ends with the larger model training, which needs more
+memory than the smaller one did: its transient memory is what the transition needs beyond training
+on either side, peak - max(level, training after) (negative: the transition's peak stays below the
+larger model's training). The goal (issue 18): transient <= 25% of the full model's weights and
+moments (fp32: 12 bytes per parameter). The last column is the peak the transition's metrics record
+itself (`ranks`: Linux's RSS high-water mark, reset at its start).
 
-RSS includes whatever the allocator keeps after freeing; sampling every 10 ms can miss a peak
-shorter than that (the transitions here take seconds).
+Sampling every 10 ms can miss a peak shorter than that (the transitions here take seconds).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import math
@@ -89,10 +97,22 @@ def worker(args) -> None:
         mark("start", direction="down" if index == 0 else "up")
         engine, record = run_transition(engine, plan, plan.phases[index], plan.phases[index + 1], saved,
                                         eval_set, index + 1)
+        release_freed_memory()
         mark("end", record=record)
         time.sleep(1.0)
         train_step(engine, batches, 1, None)
+        mark("trained")
+        time.sleep(1.0)
     torch.distributed.barrier()
+
+
+def release_freed_memory() -> None:
+    """Hand what glibc's allocator keeps of freed memory back to the system, so that the level read
+    after a transition is what the process needs. (msds's transitions do this themselves; an older
+    version under test, through PYTHONPATH, may not, and its level after would then read as its
+    peak.)"""
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
 # -- parent: launch, sample, report -------------------------------------------------------------
@@ -140,15 +160,17 @@ def analyse(samples, marks: dict[int, list[dict]], kept_share: float, full_state
         for start, end in zip(starts, ends):
             level = statistics.median(rss for t, rss in mine if start["time"] - 1.0 <= t < start["time"])
             after = statistics.median(rss for t, rss in mine if end["time"] < t <= end["time"] + 1.0)
+            trained = next(e for e in events if e["mark"] == "trained" and e["time"] > end["time"])
+            training = statistics.median(rss for t, rss in mine if trained["time"] < t <= trained["time"] + 1.0)
             peak = max(rss for t, rss in mine if start["time"] <= t <= end["time"])
             down = start["direction"] == "down"
             kept = kept_share if down else 0.0
-            # Up: the larger engine replaces the smaller one, so its level after is the higher one.
-            transient = peak - level - kept if down else peak - max(level, after)
+            # Up: the larger engine replaces the smaller one, and trains with more memory after.
+            transient = peak - level - kept if down else peak - max(level, training)
             record = end["record"]
             rows.append({"rank": rank, "direction": start["direction"], "level_mb": level / 2**20,
-                         "after_mb": after / 2**20, "peak_mb": peak / 2**20, "extra_mb": (peak - level) / 2**20,
-                         "kept_share_mb": kept / 2**20,
+                         "after_mb": after / 2**20, "training_after_mb": training / 2**20, "peak_mb": peak / 2**20,
+                         "extra_mb": (peak - level) / 2**20, "kept_share_mb": kept / 2**20,
                          "transient_mb": transient / 2**20, "transient_of_full_state": transient / full_state,
                          "window_s": end["time"] - start["time"], "transition_s": record["seconds"],
                          "record": record})
@@ -191,13 +213,15 @@ def main(argv=None) -> int:
     print(f"GPT {args.layers} layers x {args.hidden}: {numel / 1e6:.1f} M parameters, weights + moments "
           f"{full_state / 2**20:.0f} MiB; ZeRO 3, {dp} processes; kept large share per rank "
           f"{kept_share / 2**20:.0f} MiB; {len(samples)} RSS samples")
-    print("| rank | transition | level before (MiB) | peak (MiB) | level after (MiB) | peak - before (MiB) "
-          "| kept share (MiB) | transient (MiB) | transient / full state | transition (s) | in-process peak - before (MiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rank | transition | level before (MiB) | peak (MiB) | level after (MiB) | training after (MiB) "
+          "| peak - before (MiB) | kept share (MiB) | transient (MiB) | transient / full state | transition (s) "
+          "| in-process peak - before (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         own = next(x for x in r["record"]["ranks"] if x["rank"] == r["rank"])["rss_peak_extra_mb"] \
             if "ranks" in r["record"] else None
         print(f"| {r['rank']} | {r['direction']} | {r['level_mb']:.0f} | {r['peak_mb']:.0f} | {r['after_mb']:.0f} | "
+              f"{r['training_after_mb']:.0f} | "
               f"{r['extra_mb']:.0f} | {r['kept_share_mb']:.0f} | {r['transient_mb']:.0f} | "
               f"{r['transient_of_full_state']:.1%} | {r['transition_s']:.1f} | "
               f"{'-' if own is None else f'{own:.0f}'} |")

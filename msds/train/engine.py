@@ -10,6 +10,9 @@ fresh model from the new tensors (one at a time again) and a fresh engine around
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Optional
 
@@ -62,6 +65,7 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
         model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
         config=ds_config, dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_curve(s)))
+    release_freed_memory()   # ZeRO-3's flattening leaves the per-parameter partitions' holes
     return engine
 
 
@@ -267,6 +271,25 @@ def set_moments(engine, moments: Callable[[str], Iterable[tuple[str, torch.Tenso
             raise RuntimeError(f"{sorted(missing)[0]}: no {key} given for this parameter of the new engine")
     for state in base.state.values():
         state["step"] = torch.tensor(float(step))
+
+
+def release_freed_memory(collect_garbage: bool = True) -> None:
+    """Hand freed memory back to the system: the cached blocks of torch's CUDA allocator, and the
+    free pages glibc's allocator keeps of released host tensors (malloc_trim; nothing under another
+    C library). A transition calls it wherever it has released much: glibc serves allocations of
+    32 MiB or more (DeepSpeed's flat buffers) from fresh mappings, and smaller ones from holes only
+    where they fit, so without it such holes stay resident beside the new engine.
+    `collect_garbage`: run Python's collector first (after dropping an engine, whose objects refer
+    to each other; tensors released by reference counting do not need it)."""
+    if collect_garbage:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
 
 
 def destroy_engine(engine) -> None:

@@ -22,8 +22,10 @@ grow-only run (RunPlan.grow_only) saved nothing: its way up takes the de-coalesc
 Under ZeRO 3 the new model is built partitioned (msds.train.engine.build_engine), so the extra
 memory of a transition is about one group's full tensors on top of the partitions; under ZeRO 0-2
 every rank holds the whole module anyway (DeepSpeed's design), and the transition adds no more than
-the group to it. Weights are never written into a live engine: DeepSpeed's fp32 master copies would
-overwrite such edits at the next step.
+the group to it. Memory a transition releases (the saved partitions as they are consumed, the old
+engine) is handed back to the system as it goes (engine.release_freed_memory): the new engine's
+flat buffers could not reuse it otherwise, and the rank would hold both. Weights are never written
+into a live engine: DeepSpeed's fp32 master copies would overwrite such edits at the next step.
 """
 from __future__ import annotations
 
@@ -42,8 +44,12 @@ from megatron.core import parallel_state
 from msds.multilevel.operators import (LevelMap, coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
                                       decoalesced_names)
 from msds.plan import Phase, RunPlan
-from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, set_moments, \
-    tensor_reader
+from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, \
+    release_freed_memory, set_moments, tensor_reader
+
+
+# How much of the saved partitions an up transition releases before it hands the memory back.
+RELEASE_EVERY_BYTES = 8 * 2**20
 
 
 @dataclass
@@ -246,14 +252,25 @@ def _decoalesce(engine, plan: RunPlan, following: Phase, saved: Optional[SavedLe
 
     def large(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         """The large model's full tensors of `kind`, one small tensor's de-coalesced copies at a time."""
+        released = 0
         for name, tensor in small.full(kind):
             if saved is None:
                 yield from decoalesce({name: tensor}, local_map, kind=kind, backend=backend).items()
                 continue
             parts = saved.weights if kind == "param" else saved.moments[kind]
-            kept = {large_name: dp_gather(parts.pop(large_name).to(tensor.device), saved.shapes[large_name])
-                    for large_name in decoalesced_names(name, local_map)}
+            kept = {}
+            for large_name in decoalesced_names(name, local_map):
+                part = parts.pop(large_name)
+                released += part.numel() * part.element_size()
+                kept[large_name] = dp_gather(part.to(tensor.device), saved.shapes[large_name])
+            del part
             yield from decoalesce_interpolate({name: tensor}, kept, local_map, alpha, kind=kind,
                                               backend=backend).items()
+            # The released partitions are half (1/dp) the size of the full tensors gathered next, so
+            # their holes would stay unused beside the new engine: hand them back as they add up.
+            if released >= RELEASE_EVERY_BYTES:
+                release_freed_memory(collect_garbage=False)
+                released = 0
+        release_freed_memory()
 
     return _build(plan, following, large, map_moments, step)
