@@ -3,7 +3,9 @@ whole-model operators, and a real engine's transition (ZeRO 1, and ZeRO 3 with t
 partitioned) installs exactly the whole-model result, with its memory record. The multi-process
 exactness checks (alpha 0, resume after a transition, ZeRO 1/2/3, TP, PP) are in test_train.py and
 test_parallel.py."""
+import gc
 import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,19 @@ def test_released_host_memory_goes_back_to_the_system():
     release_freed_memory()
     assert held - resident_memory_mb() > 96
     assert len(tensors) == 2048 and all(t[0] == 1 for t in tensors)
+
+
+def test_a_destroyed_engine_is_freed(train_corpus, tmp_path):
+    """An engine a transition replaces (ZeRO 3: module, optimizer, partitions) is freed once
+    destroyed, not kept by DeepSpeed's module-global forward stack for the rest of the run."""
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", f"run_dir={tmp_path}", "logging.tensorboard=false",
+                                   "training.zero_stage=3"])
+    plan = build_plan(cfg)
+    batches = train_batches(train_corpus, "gpt", cfg.data.seq_len, cfg.training.micro_batch_size, 0, 0, 1)
+    engine = build_engine(plan, plan.phases[0], None)
+    train_step(engine, batches, 1, None)
+    module, optimizer = weakref.ref(engine.module), weakref.ref(engine.optimizer)
+    destroy_engine(engine)
+    del engine
+    gc.collect()
+    assert module() is None and optimizer() is None

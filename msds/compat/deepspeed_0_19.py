@@ -5,6 +5,7 @@
 - ZeRO optimizers: the torch optimizer inside DeepSpeed's wrapper, the flat tensors its state is
   keyed by, re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug), and which
   parameters ZeRO manages;
+- engines: what ZeRO 3 keeps of a destroyed engine in module globals;
 - checkpoints: the non-tensor types DeepSpeed pickles into them (the allowlist of msds's safe
   loading), routing `load_checkpoint`'s reads through a safe loader (0.19.8 unpickles with
   weights_only=False), and recording which files `save_checkpoint` wrote on this rank.
@@ -121,6 +122,31 @@ def is_zero_managed(param) -> bool:
     others (ZeRO-0 in fp32) directly in the torch optimizer's state. Replace when DeepSpeed offers a
     public test; tests/test_compat.py::test_zero_managed_parameters fails when the tags move."""
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def release_zero3_references(module) -> None:
+    """Drop what ZeRO 3 keeps of a destroyed engine in module globals, which
+    `DeepSpeedEngine.destroy` leaves: its top module on the forward stack
+    (`deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`, pushed when the engine is built),
+    and the unbounded `functools.lru_cache` of
+    `PartitionedParameterCoordinator.__params_to_release`, keyed by the coordinator and the
+    engine's submodules (cleared whole: msds has one engine at a time).
+
+    Why: through either, the module, its hooks and so the engine, its optimizer and every partition
+    stayed alive: each engine a transition replaced was kept for the rest of the run (at one
+    process, about 950 MiB per V-cycle for the 43M-parameter model of
+    benchmarks/transition_memory.py). Remove when DeepSpeed's destroy releases them;
+    tests/test_transition.py::test_a_destroyed_engine_is_freed fails while anything keeps them."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not module]
+    # The method is the lru_cache wrapped once more (instrument_w_nvtx, which keeps no __wrapped__).
+    method = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    for cell in method.__closure__ or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
 
 
 def full_shape(param) -> torch.Size:

@@ -295,5 +295,6 @@ def release_freed_memory(collect_garbage: bool = True) -> None:
 def destroy_engine(engine) -> None:
     """Release an engine's optimizer, partitions and hooks before the next one is built."""
     engine.destroy()
+    ds_compat.release_zero3_references(engine.module)
     engine.module = None
     engine.optimizer = None
