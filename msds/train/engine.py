@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import gc
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Optional
 
@@ -273,18 +272,13 @@ def set_moments(engine, moments: Callable[[str], Iterable[tuple[str, torch.Tenso
         state["step"] = torch.tensor(float(step))
 
 
-def release_freed_memory(collect_garbage: bool = True) -> None:
-    """Hand freed memory back to the system: the cached blocks of torch's CUDA allocator, and the
-    free pages glibc's allocator keeps of released host tensors (malloc_trim; nothing under another
-    C library). A transition calls it wherever it has released much: glibc serves allocations of
-    32 MiB or more (DeepSpeed's flat buffers) from fresh mappings, and smaller ones from holes only
-    where they fit, so without it such holes stay resident beside the new engine.
-    `collect_garbage`: run Python's collector first (after dropping an engine, whose objects refer
-    to each other; tensors released by reference counting do not need it)."""
-    if collect_garbage:
-        gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def release_freed_memory() -> None:
+    """Hand the free pages glibc's allocator keeps of released host tensors back to the system
+    (malloc_trim; nothing under another C library). A transition calls it wherever it has released
+    much: glibc serves allocations of 32 MiB or more (DeepSpeed's flat buffers) from fresh mappings,
+    and smaller ones from holes only where they fit, so without it such holes stay resident beside
+    the new engine. (Device memory needs no such call: torch's CUDA allocator reuses or frees its
+    cached blocks itself when an allocation would not fit.)"""
     libc = ctypes.util.find_library("c")
     if libc:
         trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)

@@ -22,10 +22,11 @@ grow-only run (RunPlan.grow_only) saved nothing: its way up takes the de-coalesc
 Under ZeRO 3 the new model is built partitioned (msds.train.engine.build_engine), so the extra
 memory of a transition is about one group's full tensors on top of the partitions; under ZeRO 0-2
 every rank holds the whole module anyway (DeepSpeed's design), and the transition adds no more than
-the group to it. Memory a transition releases (the saved partitions as they are consumed, the old
-engine) is handed back to the system as it goes (engine.release_freed_memory): the new engine's
-flat buffers could not reuse it otherwise, and the rank would hold both. Weights are never written
-into a live engine: DeepSpeed's fp32 master copies would overwrite such edits at the next step.
+the group to it. Host memory a transition releases (the saved partitions as they are consumed, the
+old engine) is handed back to the system as it goes (engine.release_freed_memory): the new
+engine's flat buffers could not reuse it otherwise, and the rank would hold both. Weights are never
+written into a live engine: DeepSpeed's fp32 master copies would overwrite such edits at the next
+step.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, o
     release_freed_memory, set_moments, tensor_reader
 
 
-# How much of the saved partitions an up transition releases before it hands the memory back.
+# How much of the saved partitions an up transition on the CPU releases before it hands the memory
+# back to the system.
 RELEASE_EVERY_BYTES = 8 * 2**20
 
 
@@ -266,10 +268,11 @@ def _decoalesce(engine, plan: RunPlan, following: Phase, saved: Optional[SavedLe
             del part
             yield from decoalesce_interpolate({name: tensor}, kept, local_map, alpha, kind=kind,
                                               backend=backend).items()
-            # The released partitions are half (1/dp) the size of the full tensors gathered next, so
-            # their holes would stay unused beside the new engine: hand them back as they add up.
-            if released >= RELEASE_EVERY_BYTES:
-                release_freed_memory(collect_garbage=False)
+            # On the CPU, where host memory is the training memory: the released partitions are
+            # 1/dp the size of the full tensors gathered next, so their holes would stay unused beside
+            # the new engine; hand them back as they add up (on a GPU the few calls around suffice).
+            if tensor.device.type == "cpu" and released >= RELEASE_EVERY_BYTES:
+                release_freed_memory()
                 released = 0
         release_freed_memory()
 
