@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Optional
 
@@ -279,11 +280,16 @@ def release_freed_memory() -> None:
     and smaller ones from holes only where they fit, so without it such holes stay resident beside
     the new engine. (Device memory needs no such call: torch's CUDA allocator reuses or frees its
     cached blocks itself when an allocation would not fit.)"""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None; looked up once (find_library runs external tools)."""
     libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
 
 
 def destroy_engine(engine) -> None:

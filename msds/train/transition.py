@@ -265,7 +265,7 @@ def _decoalesce(engine, plan: RunPlan, following: Phase, saved: Optional[SavedLe
                 part = parts.pop(large_name)
                 released += part.numel() * part.element_size()
                 kept[large_name] = dp_gather(part.to(tensor.device), saved.shapes[large_name])
-            del part
+            del part   # the last partition too is released before the new tensors are handed on
             yield from decoalesce_interpolate({name: tensor}, kept, local_map, alpha, kind=kind,
                                               backend=backend).items()
             # On the CPU, where host memory is the training memory: the released partitions are
