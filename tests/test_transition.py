@@ -21,8 +21,8 @@ from msds.multilevel.operators import (coalesce, coalesce_groups, decoalesce, de
                                        decoalesced_names, interpolate, plan_level)
 from msds.plan import build_plan
 from msds.train.engine import (MOMENTS, build_engine, destroy_engine, full_moments, full_weights,
-                               optimizer_step_count, release_freed_memory, train_step)
-from msds.train.transition import resident_memory_mb, run_transition
+                               optimizer_step_count, train_step)
+from msds.train.transition import release_freed_memory, resident_memory_mb, run_transition
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
 

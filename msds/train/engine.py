@@ -10,9 +10,6 @@ fresh model from the new tensors (one at a time again) and a fresh engine around
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Optional
 
@@ -65,7 +62,6 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
         model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
         config=ds_config, dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_curve(s)))
-    release_freed_memory()   # ZeRO-3's flattening leaves the per-parameter partitions' holes
     return engine
 
 
@@ -271,25 +267,6 @@ def set_moments(engine, moments: Callable[[str], Iterable[tuple[str, torch.Tenso
             raise RuntimeError(f"{sorted(missing)[0]}: no {key} given for this parameter of the new engine")
     for state in base.state.values():
         state["step"] = torch.tensor(float(step))
-
-
-def release_freed_memory() -> None:
-    """Hand the free pages glibc's allocator keeps of released host tensors back to the system
-    (malloc_trim; nothing under another C library). A transition calls it wherever it has released
-    much: glibc serves allocations of 32 MiB or more (DeepSpeed's flat buffers) from fresh mappings,
-    and smaller ones from holes only where they fit, so without it such holes stay resident beside
-    the new engine. (Device memory needs no such call: torch's CUDA allocator reuses or frees its
-    cached blocks itself when an allocation would not fit.)"""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None; looked up once (find_library runs external tools)."""
-    libc = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
 
 
 def destroy_engine(engine) -> None:

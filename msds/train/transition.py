@@ -23,13 +23,16 @@ Under ZeRO 3 the new model is built partitioned (msds.train.engine.build_engine)
 memory of a transition is about one group's full tensors on top of the partitions; under ZeRO 0-2
 every rank holds the whole module anyway (DeepSpeed's design), and the transition adds no more than
 the group to it. Host memory a transition releases (the saved partitions as they are consumed, the
-old engine) is handed back to the system as it goes (engine.release_freed_memory): the new
+old engine) is handed back to the system as it goes (release_freed_memory): the new
 engine's flat buffers could not reuse it otherwise, and the rank would hold both. Weights are never
 written into a live engine: DeepSpeed's fp32 master copies would overwrite such edits at the next
 step.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
 import math
 import resource
@@ -45,8 +48,8 @@ from megatron.core import parallel_state
 from msds.multilevel.operators import (LevelMap, coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
                                       decoalesced_names)
 from msds.plan import Phase, RunPlan
-from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, \
-    release_freed_memory, set_moments, tensor_reader
+from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, set_moments, \
+    tensor_reader
 
 
 # How much of the saved partitions an up transition on the CPU releases before it hands the memory
@@ -133,9 +136,29 @@ def _build(plan: RunPlan, following: Phase, source: Callable[[str], Iterable[tup
            map_moments: bool, step: int):
     """The next phase's engine from `source(kind)`, the new model's full tensors one at a time."""
     engine = build_engine(plan, following, source("param"))
+    release_freed_memory()   # the consumed partitions, and ZeRO-3's per-parameter ones it flattened
     if map_moments:
         set_moments(engine, source, step)
     return engine
+
+
+def release_freed_memory() -> None:
+    """Hand the free pages glibc's allocator keeps of released host tensors back to the system
+    (malloc_trim; nothing under another C library). A transition calls it wherever it has released
+    much: glibc serves allocations of 32 MiB or more (DeepSpeed's flat buffers) from fresh mappings,
+    and smaller ones from holes only where they fit, so without it such holes stay resident beside
+    the new engine. (Device memory needs no such call: torch's CUDA allocator reuses or frees its
+    cached blocks itself when an allocation would not fit.)"""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None; looked up once (find_library runs external tools)."""
+    libc = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
 
 
 def resident_memory_mb() -> float:
