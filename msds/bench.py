@@ -23,7 +23,9 @@ that seed (linearly interpolated between evaluations), the saving = 1 - that cos
 cost, and the time spent in transitions; then, over the seeds, the mean and the worst saving (a
 variant that misses the target in any seed has no mean, and says in which seeds it missed).
 Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
-variant); it is only comparable between runs made under the same load. Outputs: results.json,
+variant); it is only comparable between runs made under the same load, such as the runs that
+`--jobs N` trains N at a time (each in its own process with 1/N of the threads, its output in
+<run>/bench.log; `make demo` uses `--jobs 2`). Outputs: results.json,
 results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
 """
 from __future__ import annotations
@@ -333,29 +335,121 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def _train_missing(configs: dict[str, RunConfig], seed_dir: Path) -> None:
-    from msds.train.loop import train
-
+def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, RunConfig, dict]]:
+    """The runs of a seed still to train: those without a summary.json of the same config."""
+    pending = []
     for name, cfg in configs.items():
         done = seed_dir / name / "summary.json"
         # What the run computes; where it was written does not count (a bench directory may move).
         record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
         if done.is_file() and json.loads(done.read_text())["config"] == record:
             print(f"bench: {cfg.run_dir} already finished, reusing it", flush=True)
-            continue
-        print(f"bench: training {cfg.run_dir}", flush=True)
-        summary = train(cfg)
-        if summary.exited_early:
-            raise SystemExit(f"bench: {name} stopped early; run the same command again to continue")
-        if dist.get_rank() == 0:
-            done.write_text(json.dumps({"config": record, "final_val_loss": summary.final_val_loss}))
+        else:
+            pending.append((name, cfg, record))
+    return pending
+
+
+def _train_one(name: str, cfg: RunConfig, record: dict) -> None:
+    from msds.train.loop import train
+
+    summary = train(cfg)
+    if summary.exited_early:
+        raise SystemExit(f"bench: {name} stopped early; run the same command again to continue")
+    if dist.get_rank() == 0:
+        (Path(cfg.run_dir) / "summary.json").write_text(
+            json.dumps({"config": record, "final_val_loss": summary.final_val_loss}))
+
+
+def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, log: str) -> None:
+    """One run in a worker process of `--jobs`: its own share of the cores, its output in its log."""
+    import os
+    import sys
+
+    import torch
+
+    torch.set_num_threads(threads)
+    # Each run is a one-process job of its own: drop the launcher variables the parent may hold (a
+    # one-process launcher's, or those an earlier in-process run set), or they would name one group.
+    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(variable, None)
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        _train_one(name, cfg, record)
+
+
+def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
+    """The last line of a run's output that starts with one of `starts` ("" for any line)."""
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return next((line for line in reversed(lines) if line.strip() and line.startswith(starts)), "")
+
+
+def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> None:
+    """Train `runs` `jobs` at a time, each in its own process with 1/jobs of the threads (side by side
+    on the same cores, so their wall-clock stays comparable); every minute, each running job's
+    latest progress line. If one fails, the others are stopped as a preemption would stop them
+    (a checkpoint after the current step), so that running the command again continues them."""
+    import multiprocessing
+    import time
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    spawn = multiprocessing.get_context("spawn")
+    queue, running, started = list(runs), {}, time.monotonic()
+    while queue or running:
+        while queue and len(running) < jobs:
+            name, cfg, record = queue.pop(0)
+            log = Path(cfg.run_dir) / "bench.log"
+            process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
+            process.start()
+            running[process] = (cfg.run_dir, log)
+            print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
+        for process in list(running):
+            process.join(timeout=60 / len(running))
+            if process.exitcode is None:
+                continue
+            run_dir, log = running.pop(process)
+            if process.exitcode != 0:
+                for other in running:
+                    other.terminate()
+                for other in running:
+                    other.join()
+                raise SystemExit(f"bench: {run_dir} failed (exit code {process.exitcode}): "
+                                 f"{_last_line(log, ('',)) or 'no message'}; "
+                                 f"its output: {log}. The other runs stopped at a checkpoint; run the same "
+                                 "command again to continue them")
+            print(f"bench: finished {run_dir}", flush=True)
+        minutes = (time.monotonic() - started) / 60
+        for run_dir, log in running.values():
+            print(f"bench: [{minutes:.1f} min] {run_dir}: {_last_line(log) or 'starting'}", flush=True)
+
+
+def _train_missing(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], jobs: int) -> None:
+    """Train every run (seed label -> variant -> config) that has not finished: one after the
+    other, or `jobs` at a time."""
+    runs = [run for label, seed_configs in configs.items() for run in _pending(seed_configs, seed_dirs[label])]
+    if jobs == 1:
+        for name, cfg, record in runs:
+            print(f"bench: training {cfg.run_dir}", flush=True)
+            _train_one(name, cfg, record)
+    elif runs:
+        _train_concurrently(runs, jobs)
 
 
 def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
-              only: list[str] | None = None, seeds: list[int] | None = None) -> dict:
+              only: list[str] | None = None, seeds: list[int] | None = None, jobs: int = 1) -> dict:
     """Train every variant for every seed (or the variants in `only`, plus the baseline sweep;
-    reusing finished runs), then write results.json, results.md and plots."""
+    reusing finished runs; `jobs` runs at a time), then write results.json, results.md and plots."""
     out_dir = Path(out_dir)
+    if jobs < 1:
+        raise ConfigError(f"--jobs: {jobs} is not a number of runs; give 1 (one run after the other) or more")
+    if jobs > 1 and launched_world_size() > 1:
+        raise ConfigError(f"--jobs: {jobs} runs at a time need a one-process bench, but this one was launched "
+                          f"on {launched_world_size()} processes; drop --jobs or run the bench without a launcher")
     bench = load_yaml(config_path)
     seed_list = bench_seeds(bench, seeds)
     seed_dirs = {(CONFIG_SEEDS if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}"
@@ -371,8 +465,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
             raise ConfigError(f"--only: {unknown[0]!r} is not a variant of {config_path}; its variants: "
                               f"{', '.join(names)}")
         names = [n for n in names if n in only or n in members]
-    for label, seed_configs in configs.items():
-        _train_missing({n: seed_configs[n] for n in names}, seed_dirs[label])
+    _train_missing({label: {n: c[n] for n in names} for label, c in configs.items()}, seed_dirs, jobs)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     reference, sweep = best_baseline(list(seed_dirs.values()), members)
@@ -394,7 +487,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
 
 
 def _run(args) -> int:
-    run_bench(args.config, args.out, args.overrides, args.only, args.seeds)
+    run_bench(args.config, args.out, args.overrides, args.only, args.seeds, args.jobs)
     return 0
 
 
@@ -409,5 +502,8 @@ def add_parser(subparsers, name: str, doc: str) -> None:
                         help="run every variant once per seed (overrides the config's `seeds`)")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants and "
                         "the baseline sweep (which always runs); put key=value overrides before --only")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="train N runs at a time, each in its own process with 1/N of the threads "
+                             "(one-process benches only; default: %(default)s)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)

