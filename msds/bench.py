@@ -390,9 +390,13 @@ def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
 def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> None:
     """Train `runs` `jobs` at a time, each in its own process with 1/jobs of the threads (side by side
     on the same cores, so their wall-clock stays comparable); every minute, each running job's
-    latest progress line. If one fails, the others are stopped as a preemption would stop them
-    (a checkpoint after the current step), so that running the command again continues them."""
+    latest progress line. If one fails, the others get their `training.exit_signal`, as a
+    preemption would stop them (a checkpoint after the current step), so that running the command
+    again continues them."""
     import multiprocessing
+    import multiprocessing.connection
+    import os
+    import signal
     import time
 
     import torch
@@ -406,25 +410,26 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
             log = Path(cfg.run_dir) / "bench.log"
             process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
             process.start()
-            running[process] = (cfg.run_dir, log)
+            running[process] = (cfg.run_dir, log, cfg.training.exit_signal)
             print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
-        for process in list(running):
-            process.join(timeout=60 / len(running))
-            if process.exitcode is None:
-                continue
-            run_dir, log = running.pop(process)
+        multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
+        for process in [p for p in running if p.exitcode is not None]:
+            run_dir, log, _ = running.pop(process)
             if process.exitcode != 0:
-                for other in running:
-                    other.terminate()
+                for other, (_, _, exit_signal) in running.items():
+                    if exit_signal:   # the trainer's own stop signal: a checkpoint after the current step
+                        os.kill(other.pid, getattr(signal, exit_signal))
+                    else:
+                        other.terminate()
                 for other in running:
                     other.join()
                 raise SystemExit(f"bench: {run_dir} failed (exit code {process.exitcode}): "
-                                 f"{_last_line(log, ('',)) or 'no message'}; "
-                                 f"its output: {log}. The other runs stopped at a checkpoint; run the same "
-                                 "command again to continue them")
+                                 f"{_last_line(log, ('',)) or 'no message'}; its output: {log}. The other "
+                                 "runs were sent training.exit_signal (a checkpoint after their current step); "
+                                 "run the same command again to continue them")
             print(f"bench: finished {run_dir}", flush=True)
         minutes = (time.monotonic() - started) / 60
-        for run_dir, log in running.values():
+        for run_dir, log, _ in running.values():
             print(f"bench: [{minutes:.1f} min] {run_dir}: {_last_line(log) or 'starting'}", flush=True)
 
 

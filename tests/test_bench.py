@@ -120,6 +120,19 @@ def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path, capsys):
     assert "### seed 1" in md and "### seed 2" in md and f"Reference: `{results['reference']}`" in md
 
 
+def test_a_failed_run_of_jobs_names_itself_and_stops_the_others(train_corpus, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    bench = {"base": {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 100000}},
+             "variants": {"baseline": {}, "broken": {"checkpoint": {"dir": str(tmp_path / "a-file" / "ckpt"),
+                                                                    "interval": 2}}}}
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"^bench: \S+/out/broken failed \(exit code 1\): .*a-file.*; its output: "
+                                         r"\S+/out/broken/bench\.log\. The other runs were sent training\.exit_signal"):
+        run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"], jobs=2)
+    # The baseline, far from its 100000 steps, stopped without a summary: a rerun trains it on.
+    assert (out / "baseline" / "bench.log").is_file() and not (out / "baseline" / "summary.json").exists()
+
+
 def test_first_crossing_interpolates_between_evaluations():
     evals = [{"val_loss": 5.0, "flops": 10.0}, {"val_loss": 4.0, "flops": 20.0}, {"val_loss": 3.0, "flops": 30.0}]
     assert first_crossing(evals, 3.5, "flops") == pytest.approx(25.0)
