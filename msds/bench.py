@@ -23,8 +23,8 @@ that seed (linearly interpolated between evaluations), the saving = 1 - that cos
 cost, and the time spent in transitions; then, over the seeds, the mean and the worst saving (a
 variant that misses the target in any seed has no mean, and says in which seeds it missed).
 Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
-variant); it is only comparable between runs made under the same load, such as the runs that
-`--jobs N` trains N at a time (each in its own process with 1/N of the threads, its output in
+variant); it is only comparable between runs made under the same load, such as N runs that
+`--jobs N` trains at the same time (each in its own process with 1/N of the threads, its output in
 <run>/bench.log; `make demo` uses `--jobs 2`). Outputs: results.json,
 results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
 """

