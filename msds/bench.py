@@ -410,27 +410,27 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
             log = Path(cfg.run_dir) / "bench.log"
             process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
             process.start()
-            running[process] = (cfg.run_dir, log, cfg.training.exit_signal)
+            running[process] = (cfg, log)
             print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
         multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
         for process in [p for p in running if p.exitcode is not None]:
-            run_dir, log, _ = running.pop(process)
+            cfg, log = running.pop(process)
             if process.exitcode != 0:
-                for other, (_, _, exit_signal) in running.items():
-                    if exit_signal:   # the trainer's own stop signal: a checkpoint after the current step
-                        os.kill(other.pid, getattr(signal, exit_signal))
+                for other, (other_cfg, _) in running.items():
+                    if other_cfg.training.exit_signal:   # the trainer's stop signal: a checkpoint after this step
+                        os.kill(other.pid, getattr(signal, other_cfg.training.exit_signal))
                     else:
                         other.terminate()
                 for other in running:
                     other.join()
-                raise SystemExit(f"bench: {run_dir} failed (exit code {process.exitcode}): "
+                raise SystemExit(f"bench: {cfg.run_dir} failed (exit code {process.exitcode}): "
                                  f"{_last_line(log, ('',)) or 'no message'}; its output: {log}. The other "
                                  "runs were sent training.exit_signal (a checkpoint after their current step); "
                                  "run the same command again to continue them")
-            print(f"bench: finished {run_dir}", flush=True)
+            print(f"bench: finished {cfg.run_dir}", flush=True)
         minutes = (time.monotonic() - started) / 60
-        for run_dir, log, _ in running.values():
-            print(f"bench: [{minutes:.1f} min] {run_dir}: {_last_line(log) or 'starting'}", flush=True)
+        for cfg, log in running.values():
+            print(f"bench: [{minutes:.1f} min] {cfg.run_dir}: {_last_line(log) or 'starting'}", flush=True)
 
 
 def _train_missing(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], jobs: int) -> None:
