@@ -19,7 +19,8 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
 Every variant of a seed trains on the same data order with the same tokens per step and the same
 evaluation points. For each seed and variant the report gives the final validation loss, the FLOPs
 and wall-clock at which its validation loss first reaches the reference's final validation loss of
-that seed (linearly interpolated between evaluations), the saving = 1 - that cost / the reference's
+that seed (linearly interpolated between evaluations; only the full-size model's evaluations count,
+not a smaller level's), the saving = 1 - that cost / the reference's
 cost, and the time spent in transitions; then, over the seeds, the mean and the worst saving (a
 variant that misses the target in any seed has no mean, and says in which seeds it missed).
 Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
@@ -154,10 +155,16 @@ def _check_fair(configs: dict[str, RunConfig]) -> None:
 
 
 def first_crossing(evals: list[dict], target: float, key: str) -> float | None:
-    """The `key` value (flops or train_seconds) at which val_loss first reaches `target`,
-    interpolated linearly between the two evaluations around the crossing."""
+    """The `key` value (flops or train_seconds) at which the full-size model's val_loss first reaches
+    `target`, interpolated linearly between the two evaluations around the crossing. Evaluations of a
+    smaller level do not count (the run delivers the full-size model, and a small model can reach a
+    loss the full-size one has not), and no interpolation spans a transition: a full-size evaluation
+    that reaches the target right after one counts at its own cost."""
     previous = None
     for record in evals:
+        if record.get("level", 1) != 1:
+            previous = None
+            continue
         if record["val_loss"] <= target:
             if previous is None:
                 return record[key]

@@ -140,6 +140,16 @@ def test_first_crossing_interpolates_between_evaluations():
     assert first_crossing(evals, 2.0, "flops") is None
 
 
+def test_first_crossing_counts_only_the_full_size_model():
+    """A V-cycle's small model below the target does not count; nor does an interpolation across the
+    up-transition: the first full-size evaluation after it counts at its own cost."""
+    evals = [{"level": 1, "val_loss": 6.0, "flops": 10.0}, {"level": 2, "val_loss": 4.0, "flops": 12.0},
+             {"level": 1, "val_loss": 4.5, "flops": 20.0}, {"level": 1, "val_loss": 3.5, "flops": 30.0}]
+    assert first_crossing(evals, 4.2, "flops") == pytest.approx(23.0)
+    assert first_crossing(evals, 4.6, "flops") == 20.0
+    assert first_crossing(evals, 3.0, "flops") is None
+
+
 def test_bench_without_baseline_or_with_unfair_variant(tmp_path, train_corpus):
     no_baseline = {"base": MINIMAL["base"], "variants": {"vcycle": MINIMAL["variants"]["vcycle"]}}
     with pytest.raises(ConfigError, match=r"^variants\.baseline: a bench needs a variant named 'baseline'"):
