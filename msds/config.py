@@ -410,8 +410,8 @@ class MultilevelConfig:
     stay the baseline's (equal to budget_steps): adding this section converts a baseline recipe."""
     phase_fractions: list[float] = field(default_factory=list)
     """With budget_steps: the length of every phase but the last, as fractions of budget_steps.
-    Empty = the measured default for one cycle of two levels, [0.1, 0.8]: coalesce after 10% of the
-    budget, train the small model for 80% of its steps (at half width and depth about a fifth of their
+    Empty = the measured default for one cycle of two levels, [0.2, 0.8]: coalesce after 20% of the
+    budget, train the small model for 80% of its steps (at half width and depth about a quarter of their
     FLOPs), then full size for the FLOPs left (docs/method.md §7.5 has the evidence). A grow-only
     run has no default: give its first K - 1 phases."""
     cycles: int = 1
