@@ -419,8 +419,11 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
             process.start()
             running[process] = (cfg, log)
             print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
-        multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
-        for process in [p for p in running if p.exitcode is not None]:
+        ready = multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
+        # A ready sentinel means the child is exiting, not yet reaped (its exitcode can still read
+        # None): join it, or this loop would spin on it printing progress lines.
+        for process in [p for p in running if p.sentinel in ready]:
+            process.join()
             cfg, log = running.pop(process)
             if process.exitcode != 0:
                 for other, (other_cfg, _) in running.items():
