@@ -1,6 +1,7 @@
 """`msds bench` on a minimal config: every field of results.json, the interpolation, bad configs."""
 import json
 import math
+import time
 
 import pytest
 import yaml
@@ -92,9 +93,15 @@ def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path, capsys):
     bench["variants"] = {"baseline": {}, "vcycle": {**MINIMAL["variants"]["vcycle"]}}
     bench["variants"]["vcycle"]["multilevel"] = {**bench["variants"]["vcycle"]["multilevel"], "phase_steps": [2, 4, 2]}
     out = tmp_path / "out"
+    started = time.monotonic()
     results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"], jobs=2)
+    minutes = (time.monotonic() - started) / 60
     assert list(results["per_seed"]) == ["1", "2"]
     printed = capsys.readouterr().out
+    # Progress lines come once a minute and when a run ends, one per running job: a finished child
+    # that is joined, not polled, adds no more (polled, the loop spun while it exited).
+    progress = printed.count("bench: [")
+    assert progress <= 2 * (6 + int(minutes) + 1), progress
     for seed in ("1", "2"):
         for name in ("baseline", "baseline-lr4x", "vcycle"):
             assert (out / f"seed{seed}" / name / "summary.json").is_file()
