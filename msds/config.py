@@ -410,9 +410,9 @@ class MultilevelConfig:
     stay the baseline's (equal to budget_steps): adding this section converts a baseline recipe."""
     phase_fractions: list[float] = field(default_factory=list)
     """With budget_steps: the length of every phase but the last, as fractions of budget_steps.
-    Empty = the measured default for one cycle of two levels, [0.2, 0.8]: coalesce after 20% of the
+    Empty = the measured default for one cycle of two levels, [0.1, 0.8]: coalesce after 10% of the
     budget, train the small model for 80% of its steps (at half width and depth about a quarter of their
-    FLOPs), then full size for the FLOPs left (docs/method.md §7.5 has the evidence). A grow-only
+    FLOPs), then full size for the FLOPs left (docs/method.md §7.7 has the evidence). A grow-only
     run has no default: give its first K - 1 phases."""
     cycles: int = 1
     """How many V-cycles to run."""
@@ -431,9 +431,11 @@ class MultilevelConfig:
     """`map`: transform Adam's moments with the same grouping and keep the step count (default:
     it decided between a 34% saving and a loss in first measurements, docs/method.md §7.2). `reset`: fresh
     optimizer state at every transition, as in the paper."""
-    phase_warmup_steps: int = 10
-    """Linear warmup at the start of every phase after the first (10 in every measured win: mapped
-    Adam moments need only a short re-warmup)."""
+    phase_warmup_steps: int = 48
+    """Linear warmup at the start of every phase after the first, at most the phase's length. 48 (10%
+    of a 480-step budget, the budget it was measured at) met the bar on every seed of both
+    architectures; with 10, BERT missed it and GPT saved 7 points less on its worst seed
+    (docs/method.md §7.7). A run at another budget sets its own."""
     lr_schedule: Literal["phase", "run"] = "phase"
     """`phase`: every phase warms up to its level's peak and decays (cosine) over its own steps.
     `run`: one cosine over the whole run, as the baseline's, scaled by each level's peak relative to
