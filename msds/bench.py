@@ -342,6 +342,15 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _computes_the_same(stored: dict, record: dict) -> bool:
+    """Whether a finished run's config record and a new one train the same run. A run without
+    multi-level training reads nothing of its `multilevel` section, so a changed default there
+    (e.g. phase_warmup_steps) leaves a finished baseline reusable."""
+    def used(config: dict) -> dict:
+        return config if config["multilevel"]["enabled"] else {k: v for k, v in config.items() if k != "multilevel"}
+    return used(stored) == used(record)
+
+
 def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, RunConfig, dict]]:
     """The runs of a seed still to train: those without a summary.json of the same config."""
     pending = []
@@ -349,7 +358,7 @@ def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, R
         done = seed_dir / name / "summary.json"
         # What the run computes; where it was written does not count (a bench directory may move).
         record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
-        if done.is_file() and json.loads(done.read_text())["config"] == record:
+        if done.is_file() and _computes_the_same(json.loads(done.read_text())["config"], record):
             print(f"bench: {cfg.run_dir} already finished, reusing it", flush=True)
         else:
             pending.append((name, cfg, record))

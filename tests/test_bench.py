@@ -6,7 +6,7 @@ import time
 import pytest
 import yaml
 
-from msds.bench import first_crossing, run_bench, sweep_variants, variant_configs
+from msds.bench import _pending, first_crossing, run_bench, sweep_variants, variant_configs
 from msds.config import ConfigError
 
 MINIMAL = {
@@ -183,3 +183,20 @@ def test_the_sweep_scales_the_baseline_variant_s_own_settings(tmp_path, train_co
     overridden = variant_configs(bench, tmp_path, [f"data.path={train_corpus}", "optimizer.warmup_steps=5"], world_size=1)
     assert set(overridden) == {"baseline", "baseline-wu2", "baseline-lr2x", "baseline-lr2x-wu2"}
     assert set(sweep_variants(bench, ["optimizer.warmup_steps=5"])) == set(overridden)
+
+
+def test_a_finished_run_is_reused_only_while_it_would_train_the_same(tmp_path, train_corpus):
+    """A summary.json of the same config marks a run finished. A run without multi-level training
+    reads nothing of `multilevel`, so a change there (a new default, say) keeps it; a change to a
+    field it reads, or to any field of a V-cycle, trains it again."""
+    def pending(*overrides):
+        configs = variant_configs(MINIMAL, tmp_path, [f"data.path={train_corpus}", *overrides], world_size=1)
+        return _pending(configs, tmp_path)
+
+    for name, _, record in pending():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"config": record, "final_val_loss": 1.0}))
+    assert pending() == []
+    assert [name for name, _, _ in pending("multilevel.alpha=0.5")] == ["vcycle"]
+    assert [name for name, _, _ in pending("optimizer.lr=0.004")] == ["baseline", "vcycle"]
+
