@@ -26,8 +26,10 @@ variant that misses the target in any seed has no mean, and says in which seeds 
 Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
 variant); it is only comparable between runs made under the same load, such as N runs that
 `--jobs N` trains at the same time (each in its own process with 1/N of the threads, its output in
-<run>/bench.log; `make demo` uses `--jobs 2`). Outputs: results.json,
-results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
+<run>/bench.log; `make demo` uses `--jobs 2`). Stopping such a bench (SIGTERM, Ctrl-C) stops its
+runs with a checkpoint. Finished runs of the same config are reused; a run directory of another
+config is refused with the field that differs, since starting it again would resume its checkpoints.
+Outputs: results.json, results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
 """
 from __future__ import annotations
 
@@ -351,14 +353,46 @@ def _computes_the_same(stored: dict, record: dict) -> bool:
     return used(stored) == used(record)
 
 
+def _first_difference(stored: dict, record: dict, prefix: str = "") -> str:
+    """The first dotted field whose value differs between two config records, with both values."""
+    for key in sorted(set(stored) | set(record)):
+        old, new = stored.get(key), record.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found = _first_difference(old, new, f"{prefix}{key}.")
+            if found:
+                return found
+        elif old != new:
+            return f"{prefix}{key}: {old!r} there, {new!r} now"
+    return ""
+
+
+def _stored_record(run_dir: Path) -> Optional[tuple[dict, bool]]:
+    """What a run directory says it computes, and whether it finished: a finished run's summary.json,
+    else the config.yaml a started run wrote (its checkpoints are what a new start would resume)."""
+    done, started = run_dir / "summary.json", run_dir / "config.yaml"
+    if done.is_file():
+        return json.loads(done.read_text())["config"], True
+    if started.is_file():
+        record = json.loads(json.dumps(load_yaml(started)))
+        return {k: v for k, v in record.items() if k != "run_dir"}, False
+    return None
+
+
 def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, RunConfig, dict]]:
-    """The runs of a seed still to train: those without a summary.json of the same config."""
+    """The runs of a seed still to train: those without a summary.json of the same config. A run
+    directory of another config is refused, not trained again: the trainer would resume its
+    checkpoints, so the old run would be reported under the new config."""
     pending = []
     for name, cfg in configs.items():
-        done = seed_dir / name / "summary.json"
         # What the run computes; where it was written does not count (a bench directory may move).
         record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
-        if done.is_file() and _computes_the_same(json.loads(done.read_text())["config"], record):
+        stored = _stored_record(seed_dir / name)
+        if stored is not None and not _computes_the_same(stored[0], record):
+            raise ConfigError(f"variants.{name}: {seed_dir / name} {'finished' if stored[1] else 'started'} with "
+                              f"another config ({_first_difference(stored[0], record)}); a new start would resume "
+                              f"its checkpoints, not train this config: move that directory away (or bench into "
+                              f"another --out) to train it, or restore the config to reuse it")
+        if stored is not None and stored[1]:
             print(f"bench: {cfg.run_dir} already finished, reusing it", flush=True)
         else:
             pending.append((name, cfg, record))
@@ -403,53 +437,75 @@ def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
     return next((line for line in reversed(lines) if line.strip() and line.startswith(starts)), "")
 
 
+def _stop(running: dict) -> None:
+    """Send each running child its `training.exit_signal`, as a preemption would (a checkpoint after
+    its current step; terminated if it has none), and wait for it to exit."""
+    import os
+    import signal
+
+    for process, (cfg, _) in running.items():
+        try:
+            if cfg.training.exit_signal:
+                os.kill(process.pid, getattr(signal, cfg.training.exit_signal))
+            else:
+                process.terminate()
+        except ProcessLookupError:    # it exited on its own meanwhile (e.g. on the same Ctrl-C)
+            pass
+    for process in running:
+        process.join()
+
+
 def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> None:
     """Train `runs` `jobs` at a time, each in its own process with 1/jobs of the threads (side by side
     on the same cores, so their wall-clock stays comparable); every minute, each running job's
-    latest progress line. If one fails, the others get their `training.exit_signal`, as a
-    preemption would stop them (a checkpoint after the current step), so that running the command
-    again continues them."""
+    latest progress line. If one fails, or the bench itself is stopped (SIGTERM, Ctrl-C), the
+    running ones get their `training.exit_signal` (a checkpoint after the current step), so that
+    running the command again continues them and no run is left training on its own."""
     import multiprocessing
     import multiprocessing.connection
-    import os
     import signal
     import time
 
     import torch
 
+    def stopped(signum, _frame):
+        raise SystemExit(f"bench: stopped by {signal.Signals(signum).name}; the running runs were sent "
+                         "training.exit_signal (a checkpoint after their current step); run the same command "
+                         "again to continue them")
+
     threads = max(1, torch.get_num_threads() // jobs)
     spawn = multiprocessing.get_context("spawn")
     queue, running, started = list(runs), {}, time.monotonic()
-    while queue or running:
-        while queue and len(running) < jobs:
-            name, cfg, record = queue.pop(0)
-            log = Path(cfg.run_dir) / "bench.log"
-            process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
-            process.start()
-            running[process] = (cfg, log)
-            print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
-        ready = multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
-        # A ready sentinel means the child is exiting, not yet reaped (its exitcode can still read
-        # None): join it, or this loop would spin on it printing progress lines.
-        for process in [p for p in running if p.sentinel in ready]:
-            process.join()
-            cfg, log = running.pop(process)
-            if process.exitcode != 0:
-                for other, (other_cfg, _) in running.items():
-                    if other_cfg.training.exit_signal:   # the trainer's stop signal: a checkpoint after this step
-                        os.kill(other.pid, getattr(signal, other_cfg.training.exit_signal))
-                    else:
-                        other.terminate()
-                for other in running:
-                    other.join()
-                raise SystemExit(f"bench: {cfg.run_dir} failed (exit code {process.exitcode}): "
-                                 f"{_last_line(log, ('',)) or 'no message'}; its output: {log}. The other "
-                                 "runs were sent training.exit_signal (a checkpoint after their current step); "
-                                 "run the same command again to continue them")
-            print(f"bench: finished {cfg.run_dir}", flush=True)
-        minutes = (time.monotonic() - started) / 60
-        for cfg, log in running.values():
-            print(f"bench: [{minutes:.1f} min] {cfg.run_dir}: {_last_line(log) or 'starting'}", flush=True)
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                name, cfg, record = queue.pop(0)
+                log = Path(cfg.run_dir) / "bench.log"
+                process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
+                process.start()
+                running[process] = (cfg, log)
+                print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
+            ready = multiprocessing.connection.wait([process.sentinel for process in running], timeout=60)
+            # A ready sentinel means the child is exiting, not yet reaped (its exitcode can still read
+            # None): join it, or this loop would spin on it printing progress lines.
+            for process in [p for p in running if p.sentinel in ready]:
+                process.join()
+                cfg, log = running.pop(process)
+                if process.exitcode != 0:
+                    raise SystemExit(f"bench: {cfg.run_dir} failed (exit code {process.exitcode}): "
+                                     f"{_last_line(log, ('',)) or 'no message'}; its output: {log}. The other "
+                                     "runs were sent training.exit_signal (a checkpoint after their current step); "
+                                     "run the same command again to continue them")
+                print(f"bench: finished {cfg.run_dir}", flush=True)
+            minutes = (time.monotonic() - started) / 60
+            for cfg, log in running.values():
+                print(f"bench: [{minutes:.1f} min] {cfg.run_dir}: {_last_line(log) or 'starting'}", flush=True)
+    except BaseException:
+        _stop(running)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _train_missing(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], jobs: int) -> None:

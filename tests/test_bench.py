@@ -1,13 +1,16 @@
 """`msds bench` on a minimal config: every field of results.json, the interpolation, bad configs."""
 import json
 import math
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import yaml
 
 from msds.bench import _pending, first_crossing, run_bench, sweep_variants, variant_configs
-from msds.config import ConfigError
+from msds.config import ConfigError, dump_yaml
 
 MINIMAL = {
     "base": {
@@ -140,6 +143,29 @@ def test_a_failed_run_of_jobs_names_itself_and_stops_the_others(train_corpus, tm
     assert (out / "baseline" / "bench.log").is_file() and not (out / "baseline" / "summary.json").exists()
 
 
+def test_a_stopped_bench_stops_its_runs_with_a_checkpoint(train_corpus, tmp_path):
+    """SIGTERM to a `--jobs` bench (a `kill`, a scheduler) reaches its runs as their exit signal: each
+    checkpoints after its current step and exits with the bench, none is left training alone."""
+    bench = {"base": {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 100000}},
+             "variants": {"baseline": {}, "other": {"optimizer": {"lr": 0.001}}}}
+    out = tmp_path / "out"
+    script = (f"from msds.bench import run_bench; run_bench({str(write(tmp_path, bench))!r}, {str(out)!r}, "
+              f"['data.path={train_corpus}'], jobs=2)")
+    bench_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+    logs = [out / name / "bench.log" for name in ("baseline", "other")]
+    deadline = time.monotonic() + 300
+    while not all(log.is_file() and "step " in log.read_text() for log in logs):
+        assert bench_process.poll() is None and time.monotonic() < deadline, "the runs never started"
+        time.sleep(1)
+    bench_process.send_signal(signal.SIGTERM)
+    printed, _ = bench_process.communicate(timeout=300)
+    assert bench_process.returncode != 0 and "bench: stopped by SIGTERM; the running runs were sent" in printed
+    for name, log in zip(("baseline", "other"), logs):
+        assert "(SIGUSR1); run again with the same config to resume" in log.read_text()
+        assert (out / name / "checkpoints" / "latest").is_file() and not (out / name / "summary.json").exists()
+
+
 def test_first_crossing_interpolates_between_evaluations():
     evals = [{"val_loss": 5.0, "flops": 10.0}, {"val_loss": 4.0, "flops": 20.0}, {"val_loss": 3.0, "flops": 30.0}]
     assert first_crossing(evals, 3.5, "flops") == pytest.approx(25.0)
@@ -187,8 +213,9 @@ def test_the_sweep_scales_the_baseline_variant_s_own_settings(tmp_path, train_co
 
 def test_a_finished_run_is_reused_only_while_it_would_train_the_same(tmp_path, train_corpus):
     """A summary.json of the same config marks a run finished. A run without multi-level training
-    reads nothing of `multilevel`, so a change there (a new default, say) keeps it; a change to a
-    field it reads, or to any field of a V-cycle, trains it again."""
+    reads nothing of `multilevel`, so a change there (a new default, say) keeps it; a run directory
+    of another config, finished or started, is refused with the field that differs (training "again"
+    would resume its checkpoints and report the old run under the new config)."""
     def pending(*overrides):
         configs = variant_configs(MINIMAL, tmp_path, [f"data.path={train_corpus}", *overrides], world_size=1)
         return _pending(configs, tmp_path)
@@ -197,6 +224,17 @@ def test_a_finished_run_is_reused_only_while_it_would_train_the_same(tmp_path, t
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps({"config": record, "final_val_loss": 1.0}))
     assert pending() == []
-    assert [name for name, _, _ in pending("multilevel.alpha=0.5")] == ["vcycle"]
-    assert [name for name, _, _ in pending("optimizer.lr=0.004")] == ["baseline", "vcycle"]
+    # Only the V-cycle reads multilevel.alpha: the finished baseline stays, the V-cycle is refused.
+    with pytest.raises(ConfigError, match=r"variants\.vcycle: .*finished with another config \(multilevel\.alpha: "
+                                          r"0\.\d+ there, 0\.5 now\).*move that directory away"):
+        pending("multilevel.alpha=0.5")
+    with pytest.raises(ConfigError, match=r"variants\.baseline: .*\(optimizer\.lr: "):
+        pending("optimizer.lr=0.004")
+    # A started run (config.yaml, no summary) resumes under its own config and is refused under another.
+    vcycle = variant_configs(MINIMAL, tmp_path, [f"data.path={train_corpus}"], world_size=1)["vcycle"]
+    (tmp_path / "vcycle" / "summary.json").unlink()
+    dump_yaml(vcycle, tmp_path / "vcycle" / "config.yaml")
+    assert [name for name, _, _ in pending()] == ["vcycle"]
+    with pytest.raises(ConfigError, match=r"variants\.vcycle: .*started with another config \(multilevel\.alpha"):
+        pending("multilevel.alpha=0.5")
 
