@@ -129,6 +129,12 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(train_corpus, tmp_pa
     assert summary.state.step == 8
     resumes = read_metrics(tmp_path / "run", "resume")
     assert resumes[-1]["step"] == 6
+    # Step 7 was logged by the first attempt and trained again after the resume from step 6: the
+    # history a report reads has it once, from the second attempt, with the clock running on from 6.
+    steps = read_metrics(tmp_path / "run", "step")
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert steps[6]["time"] > resumes[-1]["time"]
+    assert all(a["train_seconds"] < b["train_seconds"] for a, b in zip(steps, steps[1:]))
 
 
 def test_partial_checkpoint_is_not_resumed(train_corpus, tmp_path):

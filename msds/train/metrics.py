@@ -70,7 +70,18 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict]:
-    """The records of a run's metrics.jsonl (optionally of one event kind)."""
+    """The records of a run's metrics.jsonl (optionally of one event kind), as its history stands.
+    A run stopped without a checkpoint at its last step (killed, out of time) logged steps and
+    evaluations past its last checkpoint; the resume from step S trains them again, so its `resume`
+    record drops the earlier records of steps after S: each step is read once, in order, and a
+    report never sees the abandoned attempt's losses or clock."""
     path = Path(run_dir) / METRICS_FILE
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records: list[dict] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record["event"] == "resume":
+            records = [r for r in records if r.get("step", 0) <= record["step"]]
+        records.append(record)
     return [r for r in records if event is None or r["event"] == event]
