@@ -110,6 +110,25 @@ def test_hf_to_msds_parity(arch, i, tmp_path):
     compare_forward_backward(model, hf, cfg)
 
 
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_head_runs_on_the_labelled_positions(arch):
+    """BERT's head sees only the masked positions' hidden states (the parity tests above show the
+    loss and gradients are HF's dense ones); GPT's sees every position, all of which it predicts."""
+    cfg = make_cfg(arch, 0)
+    model = Transformer(cfg)
+    ids, extra = batch(cfg)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.15] = -100
+    seen = []
+    model.head.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    model(ids, labels=labels, **extra).backward()
+    model(ids, **extra)   # no labels: the logits of every position
+    labelled = int((labels != -100).sum())
+    expected = (labelled, cfg.hidden_size) if arch == "bert" else (*ids.shape, cfg.hidden_size)
+    assert seen == [expected, (*ids.shape, cfg.hidden_size)]
+    assert 0 < labelled < ids.numel()
+
+
 def test_minilm_import_export_keeps_hidden_states(tmp_path):
     from msds.model.parity import minilm_roundtrip
 

@@ -7,13 +7,15 @@ Layer specs, in order (N layers, P stages):
     1          other embeddings             first stage
     2..N+1     blocks 0..N-1                N/P per stage, in order
     N+2        word embeddings (tied)       last stage: hands its weight to the head
-    N+3        head                         last stage: logits; the loss is `token_loss`
+    N+3        head                         last stage: logits (BERT: of the labelled positions); the
+                                            loss is `token_loss` (BERT: `labeled_token_loss`)
 
 DeepSpeed keeps the two copies of the word embeddings equal (the last stage's copy is broadcast
 from the first at start and after loading; their gradients are summed before each step). Between
-stages the activations are `(hidden, *extras)`, BERT's attention mask being the only extra; the
-first stage receives `(input_ids,)` (GPT) or `(input_ids, token_type_ids, attention_mask)` (BERT)
-and the last the labels (`pipeline_batch`).
+stages the activations are `(hidden, *extras)`: none for GPT; BERT's attention mask and its labels,
+which the head needs to run on the labelled positions only (msds.model.transformer.labeled_positions).
+The first stage receives `(input_ids,)` (GPT) or `(input_ids, token_type_ids, attention_mask,
+labels)` (BERT) and the last the labels for the loss (`pipeline_batch`).
 
 Each unit is built from its own random stream (`unit_rng`), so a pipeline has the initial weights of
 the flat model with the same seed, and every parameter has the flat model's name
@@ -33,10 +35,11 @@ from megatron.core import parallel_state
 
 from msds.compat import deepspeed_0_19 as ds_compat
 from msds.config import ModelConfig
+from msds.data.samples import IGNORE_INDEX
 from msds.model.roles import routed_layers as default_routed_layers
 from msds.model.transformer import (Block, Embeddings, LMHead, WordEmbedding, init_seed,
-                                    megatron_config, route_tokens, sdpa_mask, token_loss,
-                                    unit_rng)
+                                    labeled_positions, megatron_config, route_tokens, sdpa_mask,
+                                    token_loss, unit_rng)
 
 TIED_WORD = "word"
 
@@ -59,8 +62,9 @@ class PipeWordEmbedding(WordEmbedding):
 
 
 def _hand_over_weight(word: PipeWordEmbedding, inputs):
-    """The last stage's use of the tied word embeddings: the head's output weight."""
-    return inputs[0], word.weight
+    """The last stage's use of the tied word embeddings: the head's output weight, after the
+    activations."""
+    return (*inputs, word.weight)
 
 
 class PipeEmbeddings(Embeddings):
@@ -71,8 +75,8 @@ class PipeEmbeddings(Embeddings):
     def forward(self, inputs):
         if self.arch == "gpt":
             return (self.add_positions(inputs[0]),)
-        word_vectors, token_type_ids, attention_mask = inputs
-        return self.add_positions(word_vectors, token_type_ids), attention_mask
+        word_vectors, token_type_ids, attention_mask, labels = inputs
+        return self.add_positions(word_vectors, token_type_ids), attention_mask, labels
 
 
 class PipeBlock(Block):
@@ -102,8 +106,15 @@ class PipeHead(LMHead):
             super().__init__(cfg, megatron_config(cfg), padded_vocab_size)
 
     def forward(self, inputs):
-        h, word_weight = inputs
+        h, *extras, word_weight = inputs
+        if self.arch == "bert":   # extras: the attention mask and the labels
+            h, _ = labeled_positions(h, extras[1])
         return super().forward(h, word_weight)
+
+
+def labeled_token_loss(labeled_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """BERT's pipeline loss: the head's logits are those of the labelled positions only (PipeHead)."""
+    return token_loss(labeled_logits, labels[labels != IGNORE_INDEX])
 
 
 def unit_prefixes(cfg: ModelConfig) -> list[Optional[str]]:
@@ -137,7 +148,8 @@ class PipelineTransformer(PipelineModule):
             num_dp=parallel_state.get_data_parallel_world_size())
         # Every engine of a run (one per V-cycle phase) has this layout: reuse its process groups.
         with ds_compat.reused_process_groups():
-            super().__init__(specs, topology=topology, loss_fn=token_loss, partition_method="type:^PipeBlock$")
+            super().__init__(specs, topology=topology, partition_method="type:^PipeBlock$",
+                             loss_fn=labeled_token_loss if cfg.arch == "bert" else token_loss)
         self.cfg = cfg
         self.routing = routing
         self._prefixes = unit_prefixes(cfg)
@@ -178,4 +190,4 @@ def pipeline_batch(batch: dict[str, torch.Tensor], arch: str) -> tuple[tuple[tor
     """A loader batch as DeepSpeed's pipeline takes it: (first stage's inputs, last stage's labels)."""
     if arch == "gpt":
         return (batch["input_ids"],), batch["labels"]
-    return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]), batch["labels"]
+    return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["labels"]), batch["labels"]

@@ -23,6 +23,7 @@ from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
 from torch import nn
 
 from msds.config import ModelConfig
+from msds.data.samples import IGNORE_INDEX
 from msds.model.roles import routed_layers as default_routed_layers
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
@@ -255,8 +256,8 @@ class LMHead(nn.Module):
 
 class Transformer(nn.Module):
     """BERT or GPT, as `cfg.arch` says. `forward` returns the mean token loss when `labels` are
-    given (label -100 = ignored), else this rank's vocab slice of the logits. `seed` fixes the
-    initial weights (default: drawn from the global RNG). `padded_vocab_size` (default
+    given (label IGNORE_INDEX = nothing to predict), else this rank's vocab slice of the logits.
+    `seed` fixes the initial weights (default: drawn from the global RNG). `padded_vocab_size` (default
     cfg.vocab_size) is the word embedding's row count, which the run plan pads for tensor
     parallelism (msds.plan.RunPlan.padded_vocab_size). `routed_layers`: the layers random-LTD routes
     (default msds.model.roles.routed_layers; a run's are the plan's, RunPlan.routed_layers)."""
@@ -297,15 +298,16 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None,
                 next_sentence_labels=None, sentence_order_logits=False):
-        """The loss with `labels`, else the LM logits. With `next_sentence_labels` (sentence-order
-        pairs), the loss adds the next-sentence head's cross entropy to the masked-LM loss, as BERT's
-        pretraining loss does; with `sentence_order_logits` as well, (loss, the head's [batch, 2]
-        logits: 0 in order, 1 swapped), so that an evaluation scores both in one pass."""
+        """The loss with `labels`, else the LM logits of every position. With labels, BERT's head runs
+        on the labelled (masked) positions only (`labeled_positions`). With `next_sentence_labels`
+        (sentence-order pairs), the loss adds the next-sentence head's cross entropy to the masked-LM
+        loss, as BERT's pretraining loss does; with `sentence_order_logits` as well, (loss, the head's
+        [batch, 2] logits: 0 in order, 1 swapped), so that an evaluation scores both in one pass."""
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
-        logits = self.head(h, self.embeddings.word.weight)
         if labels is None:
-            return logits
-        loss = token_loss(logits, labels)
+            return self.head(h, self.embeddings.word.weight)
+        predicted, predicted_labels = labeled_positions(h, labels) if self.cfg.arch == "bert" else (h, labels)
+        loss = token_loss(self.head(predicted, self.embeddings.word.weight), predicted_labels)
         if next_sentence_labels is not None:
             order_logits = self.head.next_sentence_logits(h).float()
             loss = loss + F.cross_entropy(order_logits, next_sentence_labels)
@@ -314,10 +316,21 @@ class Transformer(nn.Module):
         return loss
 
 
+def labeled_positions(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states and labels of the positions that have a label ([n, width], [n]): BERT's
+    masked tokens, about 15% of a sample. Only they reach the loss, so the head (a [tokens, width] x
+    [width, vocabulary] product and a softmax over the vocabulary) runs on them alone, as NVIDIA's
+    BERT does with `dense_seq_output`: the same loss and gradients, for a fraction of the head's
+    cost, which is most of a small level's step. FLOPs are still counted for every position
+    (msds.plan.schedule.flops_per_sample), as for the dense model."""
+    chosen = labels != IGNORE_INDEX
+    return h[chosen], labels[chosen]
+
+
 def token_loss(vocab_parallel_logits, labels):
-    """Mean cross entropy over the tokens whose label is not -100, with the vocabulary split over
-    tensor-parallel ranks (megatron's vocab-parallel cross entropy)."""
-    keep = labels != -100
+    """Mean cross entropy over the tokens whose label is not IGNORE_INDEX, with the vocabulary split
+    over tensor-parallel ranks (megatron's vocab-parallel cross entropy)."""
+    keep = labels != IGNORE_INDEX
     per_token = tensor_parallel.vocab_parallel_cross_entropy(
         vocab_parallel_logits.float(), labels.masked_fill(~keep, 0))
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
