@@ -26,10 +26,13 @@ def model(arch, layers=4):
                                     attention_dropout=0.0)).eval()
 
 
-def kept_indices(seed, batch, seq_len, keep):
+def kept_indices(seed, batch, seq_len, keep, arch="gpt"):
     """The subset route_tokens draws after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    return torch.rand(batch, seq_len).argsort(dim=1)[:, :keep].sort(dim=1).values
+    scores = torch.rand(batch, seq_len)
+    if arch == "bert":
+        scores[:, 0] = -1.0
+    return scores.argsort(dim=1)[:, :keep].sort(dim=1).values
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
@@ -53,7 +56,7 @@ def test_dropped_tokens_pass_unchanged_and_get_no_gradient(arch):
     h = torch.randn(2, 16, 64, requires_grad=True)
     torch.manual_seed(3)
     out = route_tokens(layer, h, None, 6, m.cfg.arch)
-    kept = kept_indices(3, 2, 16, 6)
+    kept = kept_indices(3, 2, 16, 6, arch)
     dropped = torch.ones(2, 16, dtype=torch.bool)
     dropped[torch.arange(2)[:, None], kept] = False
     assert torch.equal(out[dropped], h[dropped])
@@ -62,6 +65,18 @@ def test_dropped_tokens_pass_unchanged_and_get_no_gradient(arch):
     out[~dropped].sum().backward()
     assert torch.count_nonzero(h.grad[dropped]) == 0
     assert torch.count_nonzero(h.grad[~dropped]) > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_bert_always_routes_its_cls_token(arch):
+    # A layer that adds 1 marks the tokens it saw; over 200 samples, keeping 2 of 16 tokens, a
+    # token that is not forced through is kept in about 25 of them.
+    torch.manual_seed(0)
+    h = torch.zeros(200, 16, 8)
+    out = route_tokens(lambda x, mask: x + 1, h, None, 2, arch)
+    cls_kept = int((out[:, 0, 0] == 1).sum())
+    assert int((out[..., 0] == 1).sum()) == 400
+    assert cls_kept == 200 if arch == "bert" else 5 < cls_kept < 60
 
 
 def test_routed_layers_are_all_but_first_and_last():
@@ -85,7 +100,7 @@ def test_encoder_mask_is_the_gathered_padding_mask():
     mask[0, 7:] = 0
     torch.manual_seed(5)
     out = route_tokens(layer, h, mask, 6, m.cfg.arch)
-    kept = kept_indices(5, 2, 12, 6)
+    kept = kept_indices(5, 2, 12, 6, "bert")
     rows = torch.arange(2)[:, None]
     expected = layer(h[rows, kept], mask[rows, kept].bool()[:, None, None, :])
     assert torch.allclose(out[rows, kept], expected, atol=1e-6)

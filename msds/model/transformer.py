@@ -92,11 +92,18 @@ def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[tor
 def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,
                  arch: str) -> torch.Tensor:
     """Random-LTD: `layer(h, sdpa_mask)` sees a random sorted subset of `keep_tokens` tokens of each
-    sample; the other tokens skip it unchanged (and get no gradient through it)."""
+    sample (for BERT always including [CLS]); the other tokens skip it unchanged (and get no gradient
+    through it)."""
     batch, seq_len, width = h.shape
+    scores = torch.rand(batch, seq_len, device=h.device)
+    if arch == "bert":
+        # BERT's [CLS] (position 0) is always kept: it has no masked-LM label, yet fine-tuning
+        # classifies from its final hidden state, which would otherwise skip each routed layer
+        # with probability 1 - keep_tokens / seq_len (docs/method.md §6.1).
+        scores[:, 0] = -1.0
     # A fresh subset per layer and per sample, sorted so the kept tokens stay in order: the
     # causal mask of the subset is then the top-left corner of the full one.
-    kept = torch.rand(batch, seq_len, device=h.device).argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
+    kept = scores.argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
     index = kept.unsqueeze(-1).expand(batch, keep_tokens, width)
     mask = None if attention_mask is None else sdpa_mask(arch, attention_mask.gather(1, kept))
     return h.scatter(1, index, layer(h.gather(1, index), mask))
