@@ -8,7 +8,7 @@ import torch
 
 from msds.config import ConfigError, model_config
 from msds.model.roles import routed_layers
-from msds.model.transformer import Transformer, route_tokens, sdpa_mask
+from msds.model.transformer import Transformer, kept_positions, route_tokens, sdpa_mask
 from msds.plan import random_ltd
 from msds.plan.schedule import flops_per_sample
 
@@ -29,10 +29,7 @@ def model(arch, layers=4):
 def kept_indices(seed, batch, seq_len, keep, arch="gpt"):
     """The subset route_tokens draws after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    scores = torch.rand(batch, seq_len)
-    if arch == "bert":
-        scores[:, 0] = -1.0
-    return scores.argsort(dim=1)[:, :keep].sort(dim=1).values
+    return kept_positions(batch, seq_len, keep, arch)
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])

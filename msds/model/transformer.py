@@ -89,21 +89,25 @@ def sdpa_mask(arch: str, attention_mask: Optional[torch.Tensor]) -> Optional[tor
     return attention_mask.bool()[:, None, None, :]
 
 
-def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,
-                 arch: str) -> torch.Tensor:
-    """Random-LTD: `layer(h, sdpa_mask)` sees a random sorted subset of `keep_tokens` tokens of each
-    sample (for BERT always including [CLS]); the other tokens skip it unchanged (and get no gradient
-    through it)."""
-    batch, seq_len, width = h.shape
-    scores = torch.rand(batch, seq_len, device=h.device)
+def kept_positions(batch: int, seq_len: int, keep_tokens: int, arch: str, device=None) -> torch.Tensor:
+    """Random-LTD's draw: for each sample, a random sorted subset of `keep_tokens` positions
+    ([batch, keep_tokens]), for BERT always including [CLS]. Sorted so the kept tokens stay in
+    order: the causal mask of the subset is then the top-left corner of the full one."""
+    scores = torch.rand(batch, seq_len, device=device)
     if arch == "bert":
         # BERT's [CLS] (position 0) is always kept: it has no masked-LM label, yet fine-tuning
         # classifies from its final hidden state, which would otherwise skip each routed layer
         # with probability 1 - keep_tokens / seq_len (docs/method.md §6.1).
         scores[:, 0] = -1.0
-    # A fresh subset per layer and per sample, sorted so the kept tokens stay in order: the
-    # causal mask of the subset is then the top-left corner of the full one.
-    kept = scores.argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
+    return scores.argsort(dim=1)[:, :keep_tokens].sort(dim=1).values
+
+
+def route_tokens(layer, h: torch.Tensor, attention_mask: Optional[torch.Tensor], keep_tokens: int,
+                 arch: str) -> torch.Tensor:
+    """Random-LTD: `layer(h, sdpa_mask)` sees the `kept_positions` of each sample, a fresh draw per
+    layer; the other tokens skip it unchanged (and get no gradient through it)."""
+    batch, seq_len, width = h.shape
+    kept = kept_positions(batch, seq_len, keep_tokens, arch, h.device)
     index = kept.unsqueeze(-1).expand(batch, keep_tokens, width)
     mask = None if attention_mask is None else sdpa_mask(arch, attention_mask.gather(1, kept))
     return h.scatter(1, index, layer(h.gather(1, index), mask))
