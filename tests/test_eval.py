@@ -209,7 +209,8 @@ def fresh_minilm(tmp_path_factory):
 def test_a_trained_bert_fine_tunes_better_than_an_untrained_one(fresh_minilm, task):
     """The real all-MiniLM-L6-v2 (a Hugging Face directory with its tokenizer) against a fresh BERT of
     its shape (an msds checkpoint, tokenizer given): 1 learning rate x 1 seed, 16 steps."""
-    settings = EvalSettings(tasks=[task], seq_len=32, train_examples=256, dev_examples=100, lrs=[3e-4], seeds=[1])
+    settings = EvalSettings(tasks=[task], seq_len=32, train_examples=256, dev_examples=100, epochs=1, lrs=[3e-4],
+                            seeds=[1])
     entry = evaluate(MINILM, settings, log=lambda _: None)["tasks"][task]
     fresh = evaluate(fresh_minilm, settings, MINILM, log=lambda _: None)["tasks"][task]
     assert entry["metric"] == "accuracy" and entry["n"] == 100 and entry["n_train"] == 256

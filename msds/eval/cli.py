@@ -43,7 +43,7 @@ def add_parser(subparsers, name: str, doc: str) -> None:
     parser.add_argument("--train-examples", type=int, metavar="N", help="fine-tuning examples per task (default: 500)")
     parser.add_argument("--dev-examples", type=int, metavar="N",
                         help="fine-tuning dev examples per task (default: 500)")
-    parser.add_argument("--epochs", type=int, metavar="N", help="fine-tuning epochs (default: 1)")
+    parser.add_argument("--epochs", type=int, metavar="N", help="fine-tuning epochs (default: 3)")
     parser.add_argument("--lrs", type=_numbers(float), metavar="LR[,LR...]", help="fine-tuning learning rates")
     parser.add_argument("--seeds", type=_numbers(int), metavar="S[,S...]", help="fine-tuning seeds (default: 1,2,3)")
     parser.set_defaults(run=_run)
