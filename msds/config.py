@@ -426,7 +426,8 @@ class MultilevelConfig:
     alpha: float = 0.75
     """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced. 0.75 is the
     value of every V-cycle that beat its baseline so far (docs/method.md §7); the paper used 0.25-0.5
-    with Adam reset, which lost in the first measurements."""
+    with Adam reset, which lost in the first measurements. For BERT 0.5 fine-tunes better and saves
+    fewer FLOPs than 0.75 (docs/method.md §7.7)."""
     optimizer_policy: Literal["map", "reset"] = "map"
     """`map`: transform Adam's moments with the same grouping and keep the step count (default:
     it decided between a 34% saving and a loss in first measurements, docs/method.md §7.2). `reset`: fresh
