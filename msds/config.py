@@ -425,7 +425,7 @@ class MultilevelConfig:
     Needs cycles = 1."""
     alpha: float = 0.75
     """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced. 0.75 is the
-    value of every V-cycle that beat its baseline so far (docs/method.md §7); the paper used 0.25-0.5
+    value of the V-cycles that saved the most so far (docs/method.md §7); the paper used 0.25-0.5
     with Adam reset, which lost in the first measurements. For BERT 0.5 fine-tunes better and saves
     fewer FLOPs than 0.75 (docs/method.md §7.7)."""
     optimizer_policy: Literal["map", "reset"] = "map"
