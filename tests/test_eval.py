@@ -16,6 +16,7 @@ from msds.data.prepare import assign_split, split_hash
 from msds.data.sources import default_cache_dir
 from msds.eval import examples as ex
 from msds.eval.bench import quality
+from msds.eval.finetune import grid_edge
 from msds.eval.lm import cloze_scores
 from msds.eval.run import EvalSettings, evaluate
 from msds.model.files import load_model, model_tensors, save_model
@@ -254,6 +255,16 @@ def test_bad_input_is_one_clear_error_before_any_work(tmp_path, capsys, train_co
     (hf / "model.safetensors").write_bytes(b"\x00" * 64)
     assert "truncated or corrupt" in _error(capsys, "--model", str(hf), "--tasks", "spam", "--out", str(out))
     assert not out.exists()
+
+
+def test_a_best_rate_at_the_grid_s_end_is_noted():
+    """The fine-tuning grid must bracket the best rate: a best rate at either end of a grid of several
+    is named in the record (and printed), one inside it or a one-rate grid is not."""
+    assert EvalSettings().lrs == [1e-4, 3e-4, 1e-3]
+    assert grid_edge(1e-3, [1e-4, 3e-4, 1e-3]) == "highest"
+    assert grid_edge(1e-4, [3e-4, 1e-4, 1e-3]) == "lowest"
+    assert grid_edge(3e-4, [1e-4, 3e-4, 1e-3]) is None
+    assert grid_edge(3e-4, [3e-4]) is None and grid_edge(3e-4, [3e-4, 3e-4]) is None
 
 
 def test_quality_verdict_uses_the_reference_seed_spread():
