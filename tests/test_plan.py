@@ -209,9 +209,9 @@ def test_engine_checkpoints_do_not_carry_the_plan_s_curves():
 
 def test_bert_prototype_recipe_plans_the_v_cycles_benchmarks_measured(tmp_path):
     """BENCHMARKS.md's BERT rounds since the first (pw48 at alpha 0.75, 0.6 and 0.5, the 48 / 192 /
-    387 and 96-step-warmup tries) ran the first phase warmed up over all its 48 steps (the
-    96 / 384 / 292 try over its 96); the recipe once gave it the base's 24,
-    so reproducing the headline trained another run."""
+    387 and 96-step-warmup tries) ran the first phase warmed up over all its 48 steps (the 96 / 384
+    / 292 try over its 96); the recipe once gave it the base's 24, so reproducing the headline
+    trained another run."""
     from msds.bench import variant_configs
     from msds.config import load_yaml
 
