@@ -72,7 +72,8 @@ def finetune_once(hf_dir: str, train, dev, special: dict[str, int], num_labels: 
 
 def glue_protocol(hf_dir: str, train, dev, special: dict[str, int], num_labels: int, lrs, seeds, epochs: int,
                   batch_size: int, log=print) -> dict:
-    """{value, best_lr, per_lr: {lr: {median, per_seed}}}: the median dev accuracy of the best lr."""
+    """{value, best_lr, best_lr_at_edge, per_lr: {lr: {median, per_seed}}}: the median dev accuracy of
+    the best lr."""
     per_lr = {}
     for lr in lrs:
         scores = []
@@ -80,8 +81,9 @@ def glue_protocol(hf_dir: str, train, dev, special: dict[str, int], num_labels: 
             scores.append(finetune_once(hf_dir, train, dev, special, num_labels, lr, seed, epochs, batch_size))
             log(f"    lr {lr:g} seed {seed}: dev accuracy {scores[-1]:.4f}")
         per_lr[f"{lr:g}"] = {"median": statistics.median(scores), "per_seed": scores}
-    best = max(per_lr, key=lambda lr: per_lr[lr]["median"])
-    edge = grid_edge(next(lr for lr in lrs if f"{lr:g}" == best), lrs)
+    best_lr = max(lrs, key=lambda lr: per_lr[f"{lr:g}"]["median"])
+    best = f"{best_lr:g}"
+    edge = grid_edge(best_lr, lrs)
     if edge is not None:
         log(f"    note: the best rate, {best}, is the grid's {edge}; the best median may lie beyond it "
             f"(widen --lrs, or eval.lrs in a bench)")
