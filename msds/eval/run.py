@@ -287,6 +287,7 @@ def _classification(task: str, examples: ex.ExampleSet, ctx: Context) -> dict:
     result = glue_protocol(ctx.hf_dir, encoded(train), encoded(dev), ctx.special, labels, ctx.settings.lrs,
                            ctx.settings.seeds, ctx.settings.epochs, ctx.settings.batch_size, ctx.log)
     return _entry(task, result["value"], len(dev), reference, used, n_train=len(train), best_lr=result["best_lr"],
+                  best_lr_at_edge=result["best_lr_at_edge"],
                   per_seed=result["per_lr"][f"{result['best_lr']:g}"]["per_seed"], per_lr=result["per_lr"])
 
 
