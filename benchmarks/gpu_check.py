@@ -1,4 +1,4 @@
-"""The GPU check of issue 18, one JSON out (about 8 minutes on one H200, less elsewhere):
+"""The GPU check of issue 18, one JSON out (40-60 s on one H100: BENCHMARKS.md, "The GPU check"):
 
     python benchmarks/gpu_check.py --data CORPUS --json gpu_check.json          # on a CUDA machine
     python benchmarks/gpu_check.py --cpu --data CORPUS --json cpu_check.json    # CPU: tiny sizes
@@ -162,6 +162,10 @@ def kernel_checks(gpu: bool) -> dict:
     return {"correct": not failures, "failures": failures, "bandwidth": rows, "worst_vs_copy": worst}
 
 
+def dump(results: dict) -> str:
+    return json.dumps(results, indent=1, default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else x)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (taken when CUDA is absent)")
@@ -172,17 +176,27 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available() and not args.cpu
     start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__}
-    results["vcycle"] = vcycle(args.data, gpu)            # first: `msds train` sets up the process group
-    results["step"] = step(gpu)
-    results["transition"] = transition(gpu, results["step"]["msds_s"])
-    results["kernels"] = kernel_checks(gpu)
+
+    def section(name, run):
+        # The JSON is rewritten after every section, so a run stopped at its time limit keeps the
+        # sections it finished.
+        results[name] = run()
+        results["seconds"] = time.perf_counter() - start
+        print(f"gpu_check: {name} done at {results['seconds']:.0f} s", flush=True)
+        if args.json:
+            args.json.write_text(dump(results))
+
+    section("vcycle", lambda: vcycle(args.data, gpu))     # first: `msds train` sets up the process group
+    section("step", lambda: step(gpu))
+    section("transition", lambda: transition(gpu, results["step"]["msds_s"]))
+    section("kernels", lambda: kernel_checks(gpu))
     results["goals"] = None if not gpu else {
         "transition_pair_in_steps": results["transition"]["pair_in_steps"] <= GOALS["transition_pair_in_steps"],
         "kernel_vs_copy": results["kernels"]["worst_vs_copy"] >= GOALS["kernel_vs_copy"],
         "msds_faster_than_hf": results["step"]["msds_over_hf"] < 1.0,
         "mfu": results["step"]["msds_mfu"] is not None and results["step"]["msds_mfu"] >= GOALS["mfu"]}
     results["seconds"] = time.perf_counter() - start
-    text = json.dumps(results, indent=1, default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else x)
+    text = dump(results)
     print(text)
     if args.json:
         args.json.write_text(text)
