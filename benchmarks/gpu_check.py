@@ -177,14 +177,19 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__}
 
+    def save() -> str:
+        results["seconds"] = time.perf_counter() - start
+        text = dump(results)
+        if args.json:
+            args.json.write_text(text)
+        return text
+
     def section(name, run):
         # The JSON is rewritten after every section, so a run stopped at its time limit keeps the
         # sections it finished.
         results[name] = run()
-        results["seconds"] = time.perf_counter() - start
+        save()
         print(f"gpu_check: {name} done at {results['seconds']:.0f} s", flush=True)
-        if args.json:
-            args.json.write_text(dump(results))
 
     section("vcycle", lambda: vcycle(args.data, gpu))     # first: `msds train` sets up the process group
     section("step", lambda: step(gpu))
@@ -195,11 +200,7 @@ def main(argv=None) -> int:
         "kernel_vs_copy": results["kernels"]["worst_vs_copy"] >= GOALS["kernel_vs_copy"],
         "msds_faster_than_hf": results["step"]["msds_over_hf"] < 1.0,
         "mfu": results["step"]["msds_mfu"] is not None and results["step"]["msds_mfu"] >= GOALS["mfu"]}
-    results["seconds"] = time.perf_counter() - start
-    text = dump(results)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    print(save())
     return 0 if results["kernels"]["correct"] else 1
 
 
