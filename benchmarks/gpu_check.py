@@ -14,11 +14,14 @@ CORPUS is a prepared corpus with a 1024-token vocabulary (`msds data prepare --t
    and their bandwidth against a device-to-device copy (`bandwidth`). Goal: >= 80% of the copy.
 3. `vcycle`: `msds train` of a small GPT V-cycle (bf16 on a GPU, fp32 on the CPU; dropout 0), once
    with multilevel.transition_backend=auto (the fused kernels for CUDA tensors, when triton is
-   installed) and once with torch; per-step losses compared.
+   installed) and once with torch; per-step losses compared. A third run takes torch's fused AdamW
+   (`"fused": true` beside `torch_adam`), whose step counters must live on the GPU after each
+   transition; its losses are compared with the first run's (close, not identical).
 4. `step`: one BERT-Large training step (bf16, sequence 128, micro-batch 64, ZeRO 1, one GPU) of the
    engine `msds train` builds (msds.train.engine) next to Hugging Face's BertForMaskedLM with fused
    AdamW (benchmarks/transition_gpu.py `bert_large_step_seconds`), and the MFU of both: the plan's
-   FLOPs per step / seconds / the GPU's dense bf16 peak. Goal: msds faster, MFU >= 50%.
+   FLOPs per step / seconds / the GPU's dense bf16 peak. Goal: msds faster, MFU >= 50%. msds's step
+   is timed again with fused AdamW (`msds_fused_adamw_s`).
 
 --cpu (also taken when CUDA is absent) runs every section at tiny sizes on the CPU, the kernels
 under the Triton interpreter (correctness only), to show that the script runs end to end:
@@ -64,32 +67,45 @@ def vcycle(corpus: str, gpu: bool) -> dict:
     from msds.train.metrics import read_metrics
 
     steps = 20 if gpu else 3
-    losses = {}
-    for backend in ("auto", "torch"):
+    losses, transitions = {}, {}
+    for run, backend, fused in (("auto", "auto", False), ("torch", "torch", False), ("fused_adamw", "auto", True)):
         with tempfile.TemporaryDirectory() as run_dir:
             cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", [
                 f"data.path={corpus}", f"run_dir={run_dir}", "logging.tensorboard=false", "logging.eval_batches=1",
                 f"training.precision={'bf16' if gpu else 'fp32'}", "model.hidden_dropout=0.0",
                 "model.attention_dropout=0.0", f"multilevel.phase_steps=[{','.join([str(steps)] * 5)}]",
-                f"multilevel.transition_backend={backend}"])
+                f"multilevel.transition_backend={backend}"]
+                + ([f"training.ds_config={fused_adamw_config(run_dir)}"] if fused else []))
             summary = train(cfg)
-            losses[backend] = [r["loss"] for r in read_metrics(run_dir, "step")]
-            transitions = summary.transitions
+            losses[run] = [r["loss"] for r in read_metrics(run_dir, "step")]
+            transitions[run] = summary.transitions
     import kernels
 
     diffs = [abs(a - b) for a, b in zip(losses["auto"], losses["torch"])]
     return {"precision": "bf16" if gpu else "fp32", "steps": len(losses["auto"]),
-            "transitions": len(transitions), "kernels_in_auto": gpu and kernels.triton_available(),
+            "transitions": len(transitions["auto"]), "kernels_in_auto": gpu and kernels.triton_available(),
             "losses_auto": losses["auto"], "losses_torch": losses["torch"],
             "max_abs_loss_difference": max(diffs), "identical": diffs == [0.0] * len(diffs),
-            "transition_seconds_auto": [t["seconds"] for t in transitions]}
+            "transition_seconds_auto": [t["seconds"] for t in transitions["auto"]],
+            "losses_fused_adamw": losses["fused_adamw"], "fused_adamw_transitions": len(transitions["fused_adamw"]),
+            "fused_adamw_max_abs_loss_difference": max(abs(a - b) for a, b in
+                                                       zip(losses["auto"], losses["fused_adamw"]))}
+
+
+def fused_adamw_config(directory: str) -> str:
+    """ds_configs/zero1.json with torch's fused AdamW, written into `directory`; returns its path."""
+    config = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    config["optimizer"]["params"]["fused"] = True
+    path = Path(directory) / "zero1-fused-adamw.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 # -- 4. the training step: msds vs Hugging Face ------------------------------------------------------
 
-def msds_step(gpu: bool, micro_batch: int, seq_len: int, repeats: int) -> dict:
+def msds_step(gpu: bool, micro_batch: int, seq_len: int, repeats: int, ds_config: str = "") -> dict:
     """Median seconds of one msds training step of BERT-Large (bert-tiny on the CPU) and the plan's
-    FLOPs of that step."""
+    FLOPs of that step; `ds_config` replaces ds_configs/zero1.json."""
     from msds.config import load_run_config
     from msds.plan import build_plan
     from msds.train.engine import build_engine, destroy_engine, train_step
@@ -99,7 +115,7 @@ def msds_step(gpu: bool, micro_batch: int, seq_len: int, repeats: int) -> dict:
         f"model.preset={preset}", f"model.vocab_size={30522 if gpu else 512}", "model.num_layers="
         f"{24 if gpu else 2}", f"data.seq_len={seq_len}", f"training.micro_batch_size={micro_batch}",
         f"training.precision={'bf16' if gpu else 'fp32'}", "multilevel.enabled=false", "training.steps=100",
-        "logging.tensorboard=false"])
+        "logging.tensorboard=false"] + ([f"training.ds_config={ds_config}"] if ds_config else []))
     plan = build_plan(cfg)
     model_cfg = plan.model(1)
     engine = build_engine(plan, plan.phases[0], None)
@@ -124,6 +140,9 @@ def step(gpu: bool) -> dict:
     ours = msds_step(gpu, micro_batch, seq_len, repeats)
     out = {"shape": [micro_batch, seq_len], "msds_s": ours["seconds"], "flops_per_step": ours["flops"],
            "model": ours["model"], "hf_s": None, "msds_over_hf": None, "msds_mfu": None, "hf_mfu": None}
+    with tempfile.TemporaryDirectory() as directory:
+        out["msds_fused_adamw_s"] = msds_step(gpu, micro_batch, seq_len, repeats,
+                                              fused_adamw_config(directory))["seconds"]
     if gpu:
         out["hf_s"] = transition_gpu.bert_large_step_seconds(micro_batch, seq_len, repeats)
         out["msds_over_hf"] = out["msds_s"] / out["hf_s"]

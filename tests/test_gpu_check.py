@@ -28,8 +28,12 @@ def test_gpu_check_runs_on_the_cpu(train_corpus, tmp_path):
     assert vcycle["steps"] == 15 and vcycle["transitions"] == 4 and not vcycle["kernels_in_auto"]
     assert vcycle["identical"] and vcycle["max_abs_loss_difference"] == 0.0
     assert all(math.isfinite(v) for v in vcycle["losses_auto"])
+    # Fused AdamW steps through the same transitions (its arithmetic differs a little).
+    assert vcycle["fused_adamw_transitions"] == 4 and len(vcycle["losses_fused_adamw"]) == 15
+    assert vcycle["fused_adamw_max_abs_loss_difference"] < 0.05
     step = result["step"]
     assert step["msds_s"] > 0 and step["flops_per_step"] > 0 and step["hf_s"] is None and step["msds_mfu"] is None
+    assert step["msds_fused_adamw_s"] > 0
     transition = result["transition"]
     assert transition["down_s"] > 0 and transition["up_s"] > 0
     assert transition["pair_in_steps"] == pytest.approx((transition["down_s"] + transition["up_s"]) / step["msds_s"])

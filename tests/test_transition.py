@@ -4,6 +4,7 @@ partitioned) installs exactly the whole-model result, with its memory record. Th
 exactness checks (alpha 0, resume after a transition, ZeRO 1/2/3, TP, PP) are in test_train.py and
 test_parallel.py."""
 import gc
+import json
 import math
 import weakref
 from pathlib import Path
@@ -127,3 +128,31 @@ def test_a_destroyed_engine_is_freed(train_corpus, tmp_path):
     del engine
     gc.collect()
     assert module() is None and optimizer() is None
+
+
+def test_fused_adamw_steps_after_a_transition(train_corpus, tmp_path):
+    """A fused AdamW (`"fused": true` beside `torch_adam`) reads its step counters on the parameters'
+    device: the counters a transition installs are made there, as torch makes its own, and the new
+    engine steps on from the old count."""
+    ds_config = tmp_path / "fused.json"
+    config = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero1.json").read_text())
+    config["optimizer"]["params"]["fused"] = True
+    ds_config.write_text(json.dumps(config))
+    cfg = load_run_config(RECIPE, [f"data.path={train_corpus}", f"run_dir={tmp_path}", "logging.tensorboard=false",
+                                   f"training.ds_config={ds_config}", "multilevel.phase_steps=[1,1,1]",
+                                   "multilevel.levels=[{hidden: 2, heads: 2, ffn: 2, layers: 2}]"])
+    plan = build_plan(cfg)
+    batches = train_batches(train_corpus, "gpt", cfg.data.seq_len, cfg.training.micro_batch_size, 0, 0, 1)
+    eval_set = eval_batches(train_corpus, "valid", "gpt", cfg.data.seq_len, cfg.training.micro_batch_size, 1)
+    engine = build_engine(plan, plan.phases[0], None)
+    try:
+        train_step(engine, batches, 1, None)
+        engine, _ = run_transition(engine, plan, plan.phases[0], plan.phases[1], [], eval_set, 1)
+        base = ds_compat.base_optimizer(engine)
+        assert base.defaults["fused"] is True
+        for flat, state in base.state.items():
+            assert state["step"].device == flat.device and state["step"].dtype == torch.float32
+        assert torch.isfinite(train_step(engine, batches, 1, None))
+        assert optimizer_step_count(engine) == 2
+    finally:
+        destroy_engine(engine)

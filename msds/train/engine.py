@@ -240,7 +240,7 @@ def _materialise_optimizer_state(engine, key: str) -> None:
     base = ds_compat.base_optimizer(engine)
     for flat in ds_compat.optimizer_state_flats(engine):
         state = base.state[flat]
-        state.setdefault("step", torch.tensor(0.0))
+        state.setdefault("step", _step_counter(base, flat, 0))
         if key not in state:
             state[key] = torch.zeros_like(flat)
     ds_compat.relink_hp_optimizer_states(engine)   # every group's moments visible (a DeepSpeed 0.19.8 bug)
@@ -265,8 +265,16 @@ def set_moments(engine, moments: Callable[[str], Iterable[tuple[str, torch.Tenso
             missing.discard(name)
         if missing:
             raise RuntimeError(f"{sorted(missing)[0]}: no {key} given for this parameter of the new engine")
-    for state in base.state.values():
-        state["step"] = torch.tensor(float(step))
+    for flat, state in base.state.items():
+        state["step"] = _step_counter(base, flat, step)
+
+
+def _step_counter(base, flat: torch.Tensor, step: int) -> torch.Tensor:
+    """AdamW's step counter as torch creates it: a host scalar, but on the parameter's device for a
+    fused or capturable AdamW, whose kernels read it there (a host counter fails its first step on
+    a GPU: "state_steps is on cpu")."""
+    on_device = base.defaults.get("fused") or base.defaults.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32, device=flat.device if on_device else "cpu")
 
 
 def destroy_engine(engine) -> None:
