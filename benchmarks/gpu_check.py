@@ -1,4 +1,5 @@
-"""The GPU check of issue 18, one JSON out (40-60 s on one H100: BENCHMARKS.md, "The GPU check"):
+"""The GPU check of issue 18, one JSON out (40-60 s on one H100 before the fused-AdamW runs were
+added: BENCHMARKS.md, "The GPU check"):
 
     python benchmarks/gpu_check.py --data CORPUS --json gpu_check.json          # on a CUDA machine
     python benchmarks/gpu_check.py --cpu --data CORPUS --json cpu_check.json    # CPU: tiny sizes

@@ -21,8 +21,8 @@ from msds.model.transformer import Transformer
 from msds.multilevel.operators import (coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
                                        decoalesced_names, interpolate, plan_level)
 from msds.plan import build_plan
-from msds.train.engine import (MOMENTS, build_engine, destroy_engine, full_moments, full_weights,
-                               optimizer_step_count, train_step)
+from msds.train.engine import (MOMENTS, _step_counter, build_engine, destroy_engine, full_moments,
+                               full_weights, optimizer_step_count, train_step)
 from msds.train.transition import release_freed_memory, resident_memory_mb, run_transition
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
@@ -156,3 +156,10 @@ def test_fused_adamw_steps_after_a_transition(train_corpus, tmp_path):
         assert optimizer_step_count(engine) == 2
     finally:
         destroy_engine(engine)
+    # The rule itself, for a parameter on another device (meta stands in for a GPU here): a fused
+    # AdamW's counter goes with the parameter, a plain AdamW's stays on the host.
+    param = torch.nn.Parameter(torch.zeros(2))
+    elsewhere = torch.empty(2, device="meta")
+    fused, plain = torch.optim.AdamW([param], fused=True), torch.optim.AdamW([param])
+    assert _step_counter(fused, elsewhere, 3).device.type == "meta"
+    assert _step_counter(plain, elsewhere, 3).device.type == "cpu"
