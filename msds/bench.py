@@ -14,7 +14,8 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
   untuned baseline is not a saving.
 - `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
   outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
-  savings and says which variants are at equal quality.
+  savings and says which variants are at equal quality; the headline then names the largest saving
+  among those, and any variant that saves more below the reference's spread.
 
 Every variant of a seed trains on the same data order with the same tokens per step and the same
 evaluation points. For each seed and variant the report gives the final validation loss, the FLOPs
@@ -268,19 +269,34 @@ def seed_table(results: dict) -> str:
 
 def headline(results: dict) -> str:
     """One line: the best variant (highest mean FLOPs saving; else the lowest mean final loss) against
-    the reference, with its mean and worst saving or by how much it missed."""
+    the reference, with its mean and worst saving or by how much it missed. With a downstream
+    evaluation, the best is chosen among the variants at equal quality, and a variant that saves more
+    without it is named with the tasks it falls short on: a saving at lower quality is not the result."""
     others = {n: a for n, a in results["variants"].items() if n not in results["baseline_sweep"]}
     if not others:
         return f"reference: {results['reference']} (no other variant)"
     reached = {n: a for n, a in others.items() if a["flops_saving"]["mean"] is not None}
     targets = [s["target_val_loss"] for s in results["per_seed"].values()]
     if reached:
-        name = max(reached, key=lambda n: reached[n]["flops_saving"]["mean"])
-        a = reached[name]
-        return (f"{name} reaches the {results['reference']} final validation loss with "
+        verdicts = results["eval"]["variants"] if "eval" in results else {}
+        equal = {n: a for n, a in reached.items() if n not in verdicts or verdicts[n]["equal_quality"]}
+        by_saving = (lambda pool: max(pool, key=lambda n: pool[n]["flops_saving"]["mean"]))
+        if not equal:
+            name = by_saving(reached)
+            return (f"no variant that reaches the {results['reference']} final validation loss is at equal "
+                    f"downstream quality; the largest saving, {name}'s {_pct(reached[name]['flops_saving']['mean'])} "
+                    f"of the FLOPs, falls short on {', '.join(verdicts[name]['worse_than_reference_spread'])}")
+        name = by_saving(equal)
+        a = equal[name]
+        line = (f"{name} reaches the {results['reference']} final validation loss with "
                 f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
                 f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])}), "
-                f"over {len(targets)} seed(s)")
+                f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else ""))
+        more = by_saving(reached)
+        if more != name:
+            line += (f"; {more} saves more ({_pct(reached[more]['flops_saving']['mean'])} of the FLOPs) but falls "
+                     f"short on {', '.join(verdicts[more]['worse_than_reference_spread'])}")
+        return line
     name = min(others, key=lambda n: others[n]["final_val_loss"]["mean"])
     return (f"no variant reaches the {results['reference']} final validation loss in every seed: the closest, "
             f"{name}, ends at {others[name]['final_val_loss']['mean']:.4f} (mean) vs "

@@ -283,6 +283,29 @@ def test_quality_verdict_uses_the_reference_seed_spread():
     assert record["variants"]["baseline"]["equal_quality"]
 
 
+def test_the_headline_names_the_best_saving_at_equal_quality():
+    """With downstream scores, the bench's headline is the largest saving among the variants at equal
+    quality; a variant that saves more below the reference's spread is named with its short tasks."""
+    from msds.bench import headline
+
+    settings = EvalSettings(tasks=["heldout-ppl", "cloze"])
+    values = {s: {"baseline": {"heldout-ppl": 100.0 + s_, "cloze": 0.30}, "fast": {"heldout-ppl": 101.0, "cloze": 0.25},
+                  "fair": {"heldout-ppl": 101.0, "cloze": 0.31}} for s, s_ in (("1", 0), ("2", 5))}
+    saving = (lambda mean: {"flops_saving": {"mean": mean, "worst": mean}, "wallclock_saving": {"mean": mean, "worst": mean},
+                            "final_val_loss": {"mean": 5.0}})
+    results = {"reference": "baseline", "baseline_sweep": {"baseline": 5.1},
+               "variants": {"baseline": saving(0.0), "fast": saving(0.4), "fair": saving(0.3)},
+               "per_seed": {"1": {"target_val_loss": 5.1}, "2": {"target_val_loss": 5.1}}}
+    assert headline(results).startswith("fast reaches the baseline final validation loss with 40.0% fewer FLOPs")
+    results["eval"] = quality(values, "baseline", settings)
+    line = headline(results)
+    assert line.startswith("fair reaches the baseline final validation loss with 30.0% fewer FLOPs")
+    assert "at equal downstream quality; fast saves more (40.0% of the FLOPs) but falls short on cloze" in line
+    results["variants"]["fair"] = saving(None)
+    assert headline(results).startswith("no variant that reaches the baseline final validation loss is at equal "
+                                        "downstream quality; the largest saving, fast's 40.0%")
+
+
 def test_bench_eval_section(train_corpus, tmp_path):
     """A bench with an `eval:` section: both runs evaluated, scores beside the savings; a task that
     does not fit the architecture stops the bench before training."""
