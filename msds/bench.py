@@ -267,6 +267,10 @@ def seed_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _largest_saving(pool: dict) -> str:
+    return max(pool, key=lambda n: pool[n]["flops_saving"]["mean"])
+
+
 def headline(results: dict) -> str:
     """One line: the best variant (highest mean FLOPs saving; else the lowest mean final loss) against
     the reference, with its mean and worst saving or by how much it missed. With a downstream
@@ -279,23 +283,22 @@ def headline(results: dict) -> str:
     targets = [s["target_val_loss"] for s in results["per_seed"].values()]
     if reached:
         verdicts = results["eval"]["variants"] if "eval" in results else {}
+        short = (lambda n: ", ".join(verdicts[n]["worse_than_reference_spread"]))
         equal = {n: a for n, a in reached.items() if n not in verdicts or verdicts[n]["equal_quality"]}
-        by_saving = (lambda pool: max(pool, key=lambda n: pool[n]["flops_saving"]["mean"]))
+        more = _largest_saving(reached)
         if not equal:
-            name = by_saving(reached)
             return (f"no variant that reaches the {results['reference']} final validation loss is at equal "
-                    f"downstream quality; the largest saving, {name}'s {_pct(reached[name]['flops_saving']['mean'])} "
-                    f"of the FLOPs, falls short on {', '.join(verdicts[name]['worse_than_reference_spread'])}")
-        name = by_saving(equal)
+                    f"downstream quality; the largest saving, {more}'s {_pct(reached[more]['flops_saving']['mean'])} "
+                    f"of the FLOPs, falls short on {short(more)}")
+        name = _largest_saving(equal)
         a = equal[name]
         line = (f"{name} reaches the {results['reference']} final validation loss with "
                 f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
                 f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])}), "
                 f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else ""))
-        more = by_saving(reached)
         if more != name:
             line += (f"; {more} saves more ({_pct(reached[more]['flops_saving']['mean'])} of the FLOPs) but falls "
-                     f"short on {', '.join(verdicts[more]['worse_than_reference_spread'])}")
+                     f"short on {short(more)}")
         return line
     name = min(others, key=lambda n: others[n]["final_val_loss"]["mean"])
     return (f"no variant reaches the {results['reference']} final validation loss in every seed: the closest, "

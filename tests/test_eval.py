@@ -289,8 +289,9 @@ def test_the_headline_names_the_best_saving_at_equal_quality():
     from msds.bench import headline
 
     settings = EvalSettings(tasks=["heldout-ppl", "cloze"])
-    values = {s: {"baseline": {"heldout-ppl": 100.0 + s_, "cloze": 0.30}, "fast": {"heldout-ppl": 101.0, "cloze": 0.25},
-                  "fair": {"heldout-ppl": 101.0, "cloze": 0.31}} for s, s_ in (("1", 0), ("2", 5))}
+    # The reference's worst seed: perplexity 105, cloze 0.30; "fast" falls short on cloze, "fair" does not.
+    values = {seed: {"baseline": {"heldout-ppl": ppl, "cloze": 0.30}, "fast": {"heldout-ppl": 101.0, "cloze": 0.25},
+                     "fair": {"heldout-ppl": 101.0, "cloze": 0.31}} for seed, ppl in (("1", 100.0), ("2", 105.0))}
     saving = (lambda mean: {"flops_saving": {"mean": mean, "worst": mean}, "wallclock_saving": {"mean": mean, "worst": mean},
                             "final_val_loss": {"mean": 5.0}})
     results = {"reference": "baseline", "baseline_sweep": {"baseline": 5.1},
