@@ -27,7 +27,10 @@ variant that misses the target in any seed has no mean, and says in which seeds 
 Wall-clock is training time: steps plus transitions, evaluations excluded (the same for every
 variant); it is only comparable between runs made under the same load, such as N runs that
 `--jobs N` trains at the same time (each in its own process with 1/N of the threads, its output in
-<run>/bench.log; `make demo` uses `--jobs 2`). Stopping such a bench (SIGTERM, Ctrl-C) stops its
+<run>/bench.log; `make demo` uses `--jobs 2`). Each run's summary.json records the load it trained
+under (cores, threads, runs at once, the machine's mean 1-minute load average), and the report marks
+a wall-clock saving timed under another load than its reference's (`same_load`), as when a reused
+reference trained alone and the variant beside others. Stopping such a bench (SIGTERM, Ctrl-C) stops its
 runs with a checkpoint. Finished runs of the same config are reused; a run directory of another
 config is refused with the field that differs, since starting it again would resume its checkpoints.
 Outputs: results.json, results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
@@ -38,7 +41,9 @@ import copy
 import dataclasses
 import itertools
 import json
+import os
 import statistics
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -187,10 +192,29 @@ def value_at(evals: list[dict], key: str, x: float) -> float | None:
     return None
 
 
+def recorded_load(run_dir: Path) -> Optional[dict]:
+    """The load a finished run was timed under, from its summary.json (None for a run of a version
+    that did not record it)."""
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()).get("load") if summary.is_file() else None
+
+
+def same_load(a: Optional[dict], b: Optional[dict]) -> Optional[bool]:
+    """Whether two runs' wall-clocks compare: the same cores, threads and runs trained at once, and
+    mean load averages within 25% of each other (of 1, on a machine near idle). None when either
+    run has no record."""
+    if a is None or b is None:
+        return None
+    if any(a[k] != b[k] for k in ("cores", "threads", "runs_at_once")):
+        return False
+    return abs(a["load_average"] - b["load_average"]) <= 0.25 * max(a["load_average"], b["load_average"], 1.0)
+
+
 def summarize(seed_dir: Path, names: list[str], reference: str = BASELINE) -> dict:
     """One seed: every variant against the reference baseline's final validation loss and cost."""
     runs = {name: {"evals": read_metrics(seed_dir / name, "eval"),
-                   "transitions": read_metrics(seed_dir / name, "transition")} for name in names}
+                   "transitions": read_metrics(seed_dir / name, "transition"),
+                   "load": recorded_load(seed_dir / name)} for name in names}
     reference_evals = runs[reference]["evals"]
     target = reference_evals[-1]["val_loss"]
     base_flops, base_seconds = reference_evals[-1]["flops"], reference_evals[-1]["train_seconds"]
@@ -208,6 +232,8 @@ def summarize(seed_dir: Path, names: list[str], reference: str = BASELINE) -> di
             "seconds_to_target": seconds_at,
             "flops_saving": None if flops_at is None else 1 - flops_at / base_flops,
             "wallclock_saving": None if seconds_at is None else 1 - seconds_at / base_seconds,
+            "load": runs[name]["load"],
+            "timed_like_reference": same_load(runs[name]["load"], runs[reference]["load"]),
             # What the reference had reached with this variant's whole compute: the comparison at
             # equal cost when the variant does not reach the target.
             "baseline_val_loss_at_same_flops": value_at(reference_evals, "flops", evals[-1]["flops"]),
@@ -243,7 +269,9 @@ def aggregate(per_seed: dict[str, dict], names: list[str]) -> dict:
                                         "best": min(r["final_val_loss"] for r in records)},
                      "flops_saving": _spread([r["flops_saving"] for r in records], min),
                      "wallclock_saving": _spread([r["wallclock_saving"] for r in records], min),
-                     "missed_in_seeds": [s for s, r in zip(per_seed, records) if not r["reached_target"]]}
+                     "missed_in_seeds": [s for s, r in zip(per_seed, records) if not r["reached_target"]],
+                     "timed_under_another_load_in_seeds": [s for s, r in zip(per_seed, records)
+                                                           if r["timed_like_reference"] is False]}
     return out
 
 
@@ -263,8 +291,20 @@ def seed_table(results: dict) -> str:
         same = "-" if r["baseline_val_loss_at_same_flops"] is None else f"{r['baseline_val_loss_at_same_flops']:.4f}"
         reach = (lambda x: "not reached" if x is None else _pct(x))
         lines.append(f"| {name} | {r['final_val_loss']:.4f} | {same} | {r['total_flops']:.3e} | {flops} | {secs} | "
-                     f"{reach(r['flops_saving'])} | {reach(r['wallclock_saving'])} | {r['transition_seconds']:.2f} |")
+                     f"{reach(r['flops_saving'])} | {reach(r['wallclock_saving'])}{_another_load(r)} | "
+                     f"{r['transition_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _another_load(run: dict) -> str:
+    """The mark on a wall-clock saving whose run was timed under another load than its reference."""
+    return " (another load)" if run["timed_like_reference"] is False else ""
+
+
+def _other_load_seeds(variant: dict) -> str:
+    """The note on a wall-clock mean that sets runs of different loads against each other."""
+    seeds = variant["timed_under_another_load_in_seeds"]
+    return f" (timed under another load than the reference's in seed(s) {', '.join(seeds)})" if seeds else ""
 
 
 def _largest_saving(pool: dict) -> str:
@@ -294,7 +334,8 @@ def headline(results: dict) -> str:
         a = equal[name]
         line = (f"{name} reaches the {results['reference']} final validation loss with "
                 f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
-                f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])}), "
+                f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])})"
+                f"{_other_load_seeds(a)}, "
                 f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else ""))
         if more != name:
             line += (f"; {more} saves more ({_pct(reached[more]['flops_saving']['mean'])} of the FLOPs) but falls "
@@ -319,7 +360,8 @@ def markdown(results: dict) -> str:
         loss = a["final_val_loss"]
         lines.append(f"| {name} | {loss['mean']:.4f} ({loss['best']:.4f}..{loss['worst']:.4f}) | "
                      f"{_pct(a['flops_saving']['mean'])} / {_pct(a['flops_saving']['worst'])} | "
-                     f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])} | "
+                     f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])}"
+                     f"{_other_load_seeds(a)} | "
                      f"{', '.join(a['missed_in_seeds']) or 'none'} |")
     for seed in seeds:
         title = "### runs" if seed == CONFIG_SEEDS else f"### seed {seed}"
@@ -418,20 +460,50 @@ def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, R
     return pending
 
 
-def _train_one(name: str, cfg: RunConfig, record: dict) -> None:
+class _LoadWatch:
+    """The machine's load while a run trains: its 1-minute load average (every process on the
+    machine, not only this bench's), sampled every 30 s by a daemon thread and once at the end."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(30):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "_LoadWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+
+def _train_one(name: str, cfg: RunConfig, record: dict, runs_at_once: int = 1) -> None:
+    """One run, and its summary.json: the config it computed, its final loss and the load it was
+    timed under (threads, runs the bench trained at once, the machine's mean load average), which
+    the report compares before it sets two wall-clocks against each other."""
+    import torch
+
     from msds.train.loop import train
 
-    summary = train(cfg)
+    with _LoadWatch() as watch:
+        summary = train(cfg)
     if summary.exited_early:
         raise SystemExit(f"bench: {name} stopped early; run the same command again to continue")
     if dist.get_rank() == 0:
+        load = {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "runs_at_once": runs_at_once,
+                "load_average": round(statistics.fmean(watch.samples), 2)}
         (Path(cfg.run_dir) / "summary.json").write_text(
-            json.dumps({"config": record, "final_val_loss": summary.final_val_loss}))
+            json.dumps({"config": record, "final_val_loss": summary.final_val_loss, "load": load}))
 
 
-def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, log: str) -> None:
+def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, runs_at_once: int, log: str) -> None:
     """One run in a worker process of `--jobs`: its own share of the cores, its output in its log."""
-    import os
     import sys
 
     import torch
@@ -447,7 +519,7 @@ def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, log: 
         sys.stderr.flush()
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-        _train_one(name, cfg, record)
+        _train_one(name, cfg, record, runs_at_once)
 
 
 def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
@@ -459,7 +531,6 @@ def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
 def _stop(running: dict) -> None:
     """Send each running child its `training.exit_signal`, as a preemption would (a checkpoint after
     its current step; terminated if it has none), and wait for it to exit."""
-    import os
     import signal
 
     for process, (cfg, _) in running.items():
@@ -501,7 +572,7 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
             while queue and len(running) < jobs:
                 name, cfg, record = queue.pop(0)
                 log = Path(cfg.run_dir) / "bench.log"
-                process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, str(log)))
+                process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, jobs, str(log)))
                 process.start()
                 running[process] = (cfg, log)
                 print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)

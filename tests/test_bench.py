@@ -7,9 +7,10 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
-from msds.bench import _pending, first_crossing, run_bench, sweep_variants, variant_configs
+from msds.bench import _pending, first_crossing, headline, markdown, run_bench, same_load, sweep_variants, variant_configs
 from msds.config import ConfigError, dump_yaml
 
 MINIMAL = {
@@ -50,8 +51,12 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     base, vcycle = seed["variants"]["baseline"], seed["variants"]["vcycle"]
     fields = {"final_val_loss", "total_flops", "total_seconds", "reached_target", "flops_to_target",
               "seconds_to_target", "flops_saving", "wallclock_saving", "transition_seconds", "transitions", "evals",
-              "baseline_val_loss_at_same_flops"}
+              "baseline_val_loss_at_same_flops", "load", "timed_like_reference"}
     assert set(base) == fields and set(vcycle) == fields
+    # Each run records the load it was timed under; the reference is timed like itself.
+    assert base["load"]["runs_at_once"] == 1 and base["load"]["threads"] == torch.get_num_threads()
+    assert base["load"]["load_average"] >= 0 and base["timed_like_reference"] is True
+    assert isinstance(vcycle["timed_like_reference"], bool)
     assert seed["target_val_loss"] == base["final_val_loss"] == base["evals"][-1]["val_loss"]
     # The baseline reaches its own final loss at its own cost: saving 0 by construction.
     assert base["reached_target"] and base["flops_saving"] == 0 and base["wallclock_saving"] == 0
@@ -110,6 +115,8 @@ def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path, capsys):
             assert (out / f"seed{seed}" / name / "summary.json").is_file()
             log = (out / f"seed{seed}" / name / "bench.log").read_text()
             assert "step      8/8" in log and f"bench: finished {out / f'seed{seed}' / name}" in printed
+            load = json.loads((out / f"seed{seed}" / name / "summary.json").read_text())["load"]
+            assert load["runs_at_once"] == 2 and load["threads"] == max(1, torch.get_num_threads() // 2)
         run = yaml.safe_load((out / f"seed{seed}" / "baseline-lr4x" / "config.yaml").read_text())
         assert run["optimizer"]["lr"] == pytest.approx(4 * 0.003) and run["training"]["seed"] == int(seed)
         assert run["data"]["seed"] == int(seed)
@@ -181,6 +188,36 @@ def test_first_crossing_counts_only_the_full_size_model():
     assert first_crossing(evals, 4.2, "flops") == pytest.approx(23.0)
     assert first_crossing(evals, 4.6, "flops") == 20.0
     assert first_crossing(evals, 3.0, "flops") is None
+
+
+def test_a_wall_clock_timed_under_another_load_is_marked():
+    """Two wall-clocks compare only under the same load: the same threads and runs at once, and load
+    averages within 25%. The report marks a saving whose pair differs, per seed and over the seeds."""
+    alone = {"cores": 2, "threads": 1, "runs_at_once": 2, "load_average": 2.1}
+    assert same_load(alone, alone) and same_load(alone, {**alone, "load_average": 2.5})
+    assert not same_load(alone, {**alone, "load_average": 3.2})           # a third process beside the pair
+    assert not same_load(alone, {**alone, "runs_at_once": 1, "threads": 2})
+    assert same_load(alone, None) is None                                 # a run that recorded no load
+    run = (lambda saving, like: {"final_val_loss": 5.0, "baseline_val_loss_at_same_flops": 5.1, "total_flops": 1.0,
+                                 "flops_to_target": 0.6, "seconds_to_target": 6.0, "flops_saving": saving,
+                                 "wallclock_saving": saving, "transition_seconds": 0.0, "timed_like_reference": like})
+    spread = {"mean": 0.4, "worst": 0.3}
+    results = {"reference": "baseline", "baseline_sweep": {"baseline": 5.1},
+               "variants": {"baseline": {"final_val_loss": {"mean": 5.1, "best": 5.1, "worst": 5.1},
+                                         "flops_saving": spread, "wallclock_saving": spread, "missed_in_seeds": [],
+                                         "timed_under_another_load_in_seeds": []},
+                            "vcycle": {"final_val_loss": {"mean": 5.0, "best": 5.0, "worst": 5.0},
+                                       "flops_saving": spread, "wallclock_saving": spread, "missed_in_seeds": [],
+                                       "timed_under_another_load_in_seeds": ["2"]}},
+               "per_seed": {s: {"reference": "baseline", "target_val_loss": 5.1,
+                                "variants": {"baseline": run(0.0, True), "vcycle": run(0.4, s == "1")}}
+                            for s in ("1", "2")}}
+    assert "less wall-clock (worst 30.0%) (timed under another load than the reference's in seed(s) 2)" \
+        in headline(results)
+    md = markdown(results)
+    assert "40.0% / 30.0% (timed under another load than the reference's in seed(s) 2)" in md
+    seed1, seed2 = md.split("### seed 2")
+    assert "(another load)" not in seed1.split("### seed 1")[1] and "| 40.0% | 40.0% (another load) |" in seed2
 
 
 def test_bench_without_baseline_or_with_unfair_variant(tmp_path, train_corpus):
