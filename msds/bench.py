@@ -29,11 +29,12 @@ variant); it is only comparable between runs made under the same load, such as N
 `--jobs N` trains at the same time (each in its own process with 1/N of the threads, its output in
 <run>/bench.log; `make demo` uses `--jobs 2`). Each run's summary.json records the load it trained
 under (cores, threads, runs at once, the machine's mean 1-minute load average), and the report marks
-a wall-clock saving timed under another load than its reference's (`same_load`), as when a reused
-reference trained alone and the variant beside others. Stopping such a bench (SIGTERM, Ctrl-C) stops its
-runs with a checkpoint. Finished runs of the same config are reused; a run directory of another
-config is refused with the field that differs, since starting it again would resume its checkpoints.
-Outputs: results.json, results.md, loss_vs_flops.png, loss_vs_time.png (every seed drawn).
+a wall-clock saving not timed under its reference's load (`same_load`; a run without a record beside
+one with a record counts as not), as when a reused reference trained alone and the variant beside
+others. Stopping such a bench (SIGTERM, Ctrl-C) stops its runs with a checkpoint. Finished runs of
+the same config are reused; a run directory of another config is refused with the field that
+differs, since starting it again would resume its checkpoints. Outputs: results.json, results.md,
+loss_vs_flops.png, loss_vs_time.png (every seed drawn).
 """
 from __future__ import annotations
 
@@ -201,10 +202,12 @@ def recorded_load(run_dir: Path) -> Optional[dict]:
 
 def same_load(a: Optional[dict], b: Optional[dict]) -> Optional[bool]:
     """Whether two runs' wall-clocks compare: the same cores, threads and runs trained at once, and
-    mean load averages within 25% of each other (of 1, on a machine near idle). None when either
-    run has no record."""
-    if a is None or b is None:
+    mean load averages within 25% of each other (of 1, on a machine near idle). None when neither
+    run has a record (both from a version that kept none); False when only one has."""
+    if a is None and b is None:
         return None
+    if a is None or b is None:
+        return False
     if any(a[k] != b[k] for k in ("cores", "threads", "runs_at_once")):
         return False
     return abs(a["load_average"] - b["load_average"]) <= 0.25 * max(a["load_average"], b["load_average"], 1.0)
@@ -270,7 +273,7 @@ def aggregate(per_seed: dict[str, dict], names: list[str]) -> dict:
                      "flops_saving": _spread([r["flops_saving"] for r in records], min),
                      "wallclock_saving": _spread([r["wallclock_saving"] for r in records], min),
                      "missed_in_seeds": [s for s, r in zip(per_seed, records) if not r["reached_target"]],
-                     "timed_under_another_load_in_seeds": [s for s, r in zip(per_seed, records)
+                     "not_timed_like_reference_in_seeds": [s for s, r in zip(per_seed, records)
                                                            if r["timed_like_reference"] is False]}
     return out
 
@@ -297,14 +300,14 @@ def seed_table(results: dict) -> str:
 
 
 def _another_load(run: dict) -> str:
-    """The mark on a wall-clock saving whose run was timed under another load than its reference."""
-    return " (another load)" if run["timed_like_reference"] is False else ""
+    """The mark on a wall-clock saving whose run was not timed under its reference's load."""
+    return " (not timed like the reference)" if run["timed_like_reference"] is False else ""
 
 
 def _other_load_seeds(variant: dict) -> str:
     """The note on a wall-clock mean that sets runs of different loads against each other."""
-    seeds = variant["timed_under_another_load_in_seeds"]
-    return f" (timed under another load than the reference's in seed(s) {', '.join(seeds)})" if seeds else ""
+    seeds = variant["not_timed_like_reference_in_seeds"]
+    return f" (not timed under the reference's load in seed(s) {', '.join(seeds)})" if seeds else ""
 
 
 def _largest_saving(pool: dict) -> str:
