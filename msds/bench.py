@@ -294,17 +294,17 @@ def seed_table(results: dict) -> str:
         same = "-" if r["baseline_val_loss_at_same_flops"] is None else f"{r['baseline_val_loss_at_same_flops']:.4f}"
         reach = (lambda x: "not reached" if x is None else _pct(x))
         lines.append(f"| {name} | {r['final_val_loss']:.4f} | {same} | {r['total_flops']:.3e} | {flops} | {secs} | "
-                     f"{reach(r['flops_saving'])} | {reach(r['wallclock_saving'])}{_another_load(r)} | "
+                     f"{reach(r['flops_saving'])} | {reach(r['wallclock_saving'])}{_load_mark(r)} | "
                      f"{r['transition_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def _another_load(run: dict) -> str:
+def _load_mark(run: dict) -> str:
     """The mark on a wall-clock saving whose run was not timed under its reference's load."""
     return " (not timed like the reference)" if run["timed_like_reference"] is False else ""
 
 
-def _other_load_seeds(variant: dict) -> str:
+def _load_note(variant: dict) -> str:
     """The note on a wall-clock mean that sets runs of different loads against each other."""
     seeds = variant["not_timed_like_reference_in_seeds"]
     return f" (not timed under the reference's load in seed(s) {', '.join(seeds)})" if seeds else ""
@@ -338,7 +338,7 @@ def headline(results: dict) -> str:
         line = (f"{name} reaches the {results['reference']} final validation loss with "
                 f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
                 f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])})"
-                f"{_other_load_seeds(a)}, "
+                f"{_load_note(a)}, "
                 f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else ""))
         if more != name:
             line += (f"; {more} saves more ({_pct(reached[more]['flops_saving']['mean'])} of the FLOPs) but falls "
@@ -364,7 +364,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name} | {loss['mean']:.4f} ({loss['best']:.4f}..{loss['worst']:.4f}) | "
                      f"{_pct(a['flops_saving']['mean'])} / {_pct(a['flops_saving']['worst'])} | "
                      f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])}"
-                     f"{_other_load_seeds(a)} | "
+                     f"{_load_note(a)} | "
                      f"{', '.join(a['missed_in_seeds']) or 'none'} |")
     for seed in seeds:
         title = "### runs" if seed == CONFIG_SEEDS else f"### seed {seed}"
