@@ -489,7 +489,8 @@ class _LoadWatch:
 def _train_one(name: str, cfg: RunConfig, record: dict, runs_at_once: int = 1) -> None:
     """One run, and its summary.json: the config it computed, its final loss and the load it was
     timed under (threads, runs the bench trained at once, the machine's mean load average), which
-    the report compares before it sets two wall-clocks against each other."""
+    the report compares before it sets two wall-clocks against each other. A run resumed after a
+    stop records the load of its last start only: its wall-clock spans every start."""
     import torch
 
     from msds.train.loop import train
