@@ -15,7 +15,9 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
 - `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
   outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
   savings and says which variants are at equal quality; the headline then names the largest saving
-  among those, and any variant that saves more below the reference's spread.
+  among those, and any variant that saves more below the reference's spread. With `at: target` a
+  variant's quality is that of its model where it first reaches the target, the point its saving
+  is counted at: its run is trained again to that evaluation's step (<run>/at-target), not its end.
 
 Every variant of a seed trains on the same data order with the same tokens per step and the same
 evaluation points. For each seed and variant the report gives the final validation loss, the FLOPs
@@ -43,6 +45,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import statistics
 import threading
 from pathlib import Path
@@ -54,6 +57,7 @@ from msds.config import (ConfigError, OptimizerConfig, RunConfig, load_yaml, par
                          set_by_path)
 from msds.distributed import launched_world_size
 from msds.eval.bench import bench_eval_settings, eval_markdown, evaluate_bench
+from msds.eval.run import EvalSettings
 from msds.plan import build_plan
 from msds.train.metrics import read_metrics
 
@@ -314,6 +318,11 @@ def _largest_saving(pool: dict) -> str:
     return max(pool, key=lambda n: pool[n]["flops_saving"]["mean"])
 
 
+def _where_evaluated(results: dict) -> str:
+    return " (the variants' models evaluated where they reach the target)" \
+        if results.get("eval", {}).get("at") == "target" else ""
+
+
 def headline(results: dict) -> str:
     """One line: the best variant (highest mean FLOPs saving; else the lowest mean final loss) against
     the reference, with its mean and worst saving or by how much it missed. With a downstream
@@ -332,14 +341,15 @@ def headline(results: dict) -> str:
         if not equal:
             return (f"no variant that reaches the {results['reference']} final validation loss is at equal "
                     f"downstream quality; the largest saving, {more}'s {_pct(reached[more]['flops_saving']['mean'])} "
-                    f"of the FLOPs, falls short on {short(more)}")
+                    f"of the FLOPs, falls short on {short(more)}{_where_evaluated(results)}")
         name = _largest_saving(equal)
         a = equal[name]
         line = (f"{name} reaches the {results['reference']} final validation loss with "
                 f"{_pct(a['flops_saving']['mean'])} fewer FLOPs (worst seed {_pct(a['flops_saving']['worst'])}) "
                 f"and {_pct(a['wallclock_saving']['mean'])} less wall-clock (worst {_pct(a['wallclock_saving']['worst'])})"
                 f"{_load_note(a)}, "
-                f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else ""))
+                f"over {len(targets)} seed(s)" + (", at equal downstream quality" if verdicts else "")
+                + _where_evaluated(results))
         if more != name:
             line += (f"; {more} saves more ({_pct(reached[more]['flops_saving']['mean'])} of the FLOPs) but falls "
                      f"short on {short(more)}")
@@ -442,14 +452,18 @@ def _stored_record(run_dir: Path) -> Optional[tuple[dict, bool]]:
     return None
 
 
+def _config_record(cfg: RunConfig) -> dict:
+    """What a run computes, as JSON; where it was written does not count (a bench directory may move)."""
+    return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
+
+
 def _pending(configs: dict[str, RunConfig], seed_dir: Path) -> list[tuple[str, RunConfig, dict]]:
     """The runs of a seed still to train: those without a summary.json of the same config. A run
     directory of another config is refused, not trained again: the trainer would resume its
     checkpoints, so the old run would be reported under the new config."""
     pending = []
     for name, cfg in configs.items():
-        # What the run computes; where it was written does not count (a bench directory may move).
-        record = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k != "run_dir"}
+        record = _config_record(cfg)
         stored = _stored_record(seed_dir / name)
         if stored is not None and not _computes_the_same(stored[0], record):
             raise ConfigError(f"variants.{name}: {seed_dir / name} {'finished' if stored[1] else 'started'} with "
@@ -506,8 +520,10 @@ def _train_one(name: str, cfg: RunConfig, record: dict, runs_at_once: int = 1) -
             json.dumps({"config": record, "final_val_loss": summary.final_val_loss, "load": load}))
 
 
-def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, runs_at_once: int, log: str) -> None:
-    """One run in a worker process of `--jobs`: its own share of the cores, its output in its log."""
+def _train_in_child(work, name: str, cfg: RunConfig, record: dict, threads: int, runs_at_once: int,
+                    log: str) -> None:
+    """One run (`work`: `_train_one` or `_train_to_target`) in a worker process of `--jobs`: its own
+    share of the cores, its output in its log."""
     import sys
 
     import torch
@@ -523,7 +539,7 @@ def _train_in_child(name: str, cfg: RunConfig, record: dict, threads: int, runs_
         sys.stderr.flush()
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-        _train_one(name, cfg, record, runs_at_once)
+        work(name, cfg, record, runs_at_once)
 
 
 def _last_line(path: Path, starts: tuple[str, ...] = ("step", "eval")) -> str:
@@ -549,7 +565,7 @@ def _stop(running: dict) -> None:
         process.join()
 
 
-def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> None:
+def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int, work) -> None:
     """Train `runs` `jobs` at a time, each in its own process with 1/jobs of the threads (side by side
     on the same cores, so their wall-clock stays comparable); every minute, each running job's
     latest progress line. If one fails, or the bench itself is stopped (SIGTERM, Ctrl-C), the
@@ -576,7 +592,7 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
             while queue and len(running) < jobs:
                 name, cfg, record = queue.pop(0)
                 log = Path(cfg.run_dir) / "bench.log"
-                process = spawn.Process(target=_train_in_child, args=(name, cfg, record, threads, jobs, str(log)))
+                process = spawn.Process(target=_train_in_child, args=(work, name, cfg, record, threads, jobs, str(log)))
                 process.start()
                 running[process] = (cfg, log)
                 print(f"bench: training {cfg.run_dir} ({threads} thread(s); its output goes to {log})", flush=True)
@@ -602,16 +618,124 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int) -> N
         signal.signal(signal.SIGTERM, previous)
 
 
-def _train_missing(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], jobs: int) -> None:
-    """Train every run (seed label -> variant -> config) that has not finished: one after the
-    other, or `jobs` at a time."""
-    runs = [run for label, seed_configs in configs.items() for run in _pending(seed_configs, seed_dirs[label])]
+def _train_runs(runs: list[tuple[str, RunConfig, dict]], jobs: int, work=_train_one) -> None:
+    """`work` each run: one after the other, or `jobs` at a time."""
     if jobs == 1:
         for name, cfg, record in runs:
             print(f"bench: training {cfg.run_dir}", flush=True)
-            _train_one(name, cfg, record)
+            work(name, cfg, record)
     elif runs:
-        _train_concurrently(runs, jobs)
+        _train_concurrently(runs, jobs, work)
+
+
+def _train_missing(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], jobs: int) -> None:
+    """Train every run (seed label -> variant -> config) that has not finished."""
+    _train_runs([run for label, seed_configs in configs.items() for run in _pending(seed_configs, seed_dirs[label])],
+                jobs)
+
+
+# -- each variant's model where it first reaches the target ------------------------------------
+
+AT_TARGET = "at-target"           # <run_dir>/at-target: the run again, stopped at its target step
+AT_TARGET_FILE = "at_target.json"
+
+
+def target_step(run_dir: Path, target: float) -> Optional[int]:
+    """The step of the run's first full-size evaluation at or below `target`: the evaluation that
+    `first_crossing` reaches the target at (None when the run never does)."""
+    for record in read_metrics(run_dir, "eval"):
+        if record.get("level", 1) == 1 and record["val_loss"] <= target:
+            return record["step"]
+    return None
+
+
+def _rerun_config(cfg: RunConfig, step: int) -> RunConfig:
+    """`cfg` again in <run_dir>/at-target, stopped with a checkpoint after `step` steps: the same
+    schedule, seeds and data order (the trainer is deterministic on the same threads), so the run's
+    own model at that step. Its checkpoints go to its own directory and are not resumed."""
+    rerun = copy.deepcopy(cfg)
+    rerun.run_dir = str(Path(cfg.run_dir) / AT_TARGET)
+    rerun.training.exit_after_steps = step
+    rerun.checkpoint = dataclasses.replace(cfg.checkpoint, dir="", interval=0, at_transitions=False, keep=1,
+                                           resume="never", layout_free=False)
+    rerun.logging.tensorboard = False
+    phase_end = next((p for p in build_plan(cfg, 1).phases[:-1] if p.end_step == step), None)
+    if phase_end is not None:   # the trainer would leave the phase before it stops
+        raise ConfigError(f"eval.at: {cfg.run_dir} first reaches the target at step {step}, where phase "
+                          f"{phase_end.index} ends, and its model there is not kept; evaluate final models "
+                          f"(eval.at: final)")
+    return rerun
+
+
+def _train_to_target(name: str, cfg: RunConfig, record: dict, runs_at_once: int = 1) -> None:
+    """One rerun to its target step: its checkpoint there converted to <run_dir>/model and removed,
+    then at_target.json (the config, the step, the rerun's validation loss there)."""
+    from msds.train.checkpointing import convert_to_model
+    from msds.train.loop import train
+
+    summary = train(cfg)
+    run_dir, step = Path(cfg.run_dir), cfg.training.exit_after_steps
+    if not summary.exited_early or summary.state.step != step:
+        raise SystemExit(f"bench: {name}'s rerun to step {step} ended at step {summary.state.step}")
+    if dist.get_rank() == 0:
+        convert_to_model(run_dir / "checkpoints", None, run_dir / "model")
+        shutil.rmtree(run_dir / "checkpoints")
+        last = read_metrics(run_dir, "eval")[-1]
+        (run_dir / AT_TARGET_FILE).write_text(json.dumps({"config": record, "step": last["step"],
+                                                          "val_loss": last["val_loss"]}))
+
+
+def models_at_target(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], per_seed: dict,
+                     names: list[str], jobs: int) -> dict[str, dict[str, dict]]:
+    """seed label -> variant -> where its model at the target is: {run_dir, step, val_loss (the
+    model's), run_val_loss (the run's own evaluation there)}. A run that first reaches the target at
+    its last evaluation, or never, is its final model (step None when never); the others are trained
+    again to their target step (`jobs` at a time) unless an at_target.json of the same config is there."""
+    where, pending = {}, []
+    for label, seed_dir in seed_dirs.items():
+        where[label] = {}
+        for name in names:
+            run_dir = seed_dir / name
+            evals = read_metrics(run_dir, "eval")
+            step = target_step(run_dir, per_seed[label]["target_val_loss"])
+            run_val_loss = next((e["val_loss"] for e in evals if e["step"] == step), evals[-1]["val_loss"])
+            where[label][name] = {"run_dir": run_dir, "step": step, "val_loss": run_val_loss,
+                                  "run_val_loss": run_val_loss}
+            if step is None or step == evals[-1]["step"]:
+                continue
+            rerun = _rerun_config(configs[label][name], step)
+            record, done = _config_record(rerun), Path(rerun.run_dir) / AT_TARGET_FILE
+            where[label][name]["run_dir"] = Path(rerun.run_dir)
+            if done.is_file() and json.loads(done.read_text())["config"] == record:
+                print(f"bench: {rerun.run_dir} is up to date, reusing it", flush=True)
+            else:
+                shutil.rmtree(rerun.run_dir, ignore_errors=True)   # a stopped rerun starts again
+                pending.append((name, rerun, record))
+    _train_runs(pending, jobs, _train_to_target)
+    for records in where.values():
+        for entry in records.values():
+            done = entry["run_dir"] / AT_TARGET_FILE
+            if done.is_file():
+                entry["val_loss"] = json.loads(done.read_text())["val_loss"]
+    return where
+
+
+def _evaluate(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path], per_seed: dict,
+              names: list[str], reference: str, eval_settings: tuple[EvalSettings, str], jobs: int) -> dict:
+    """The reference's final models and the variants' models (final, or at the target with
+    `eval.at: target`) evaluated downstream in every seed, and the equal-quality verdicts."""
+    settings, at = eval_settings
+    run_dirs = {label: {name: seed_dir / name for name in [reference] + names} for label, seed_dir in seed_dirs.items()}
+    where = models_at_target(configs, seed_dirs, per_seed, names, jobs) if at == "target" else {}
+    for label, records in where.items():
+        run_dirs[label].update({name: entry["run_dir"] for name, entry in records.items()})
+    out = evaluate_bench(run_dirs, {label: c[BASELINE].data.path for label, c in configs.items()}, reference,
+                         settings)
+    out["at"] = at
+    if where:
+        out["at_target"] = {label: {name: {k: v for k, v in entry.items() if k != "run_dir"}
+                                    for name, entry in records.items()} for label, records in where.items()}
+    return out
 
 
 def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
@@ -633,6 +757,10 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     members = list(sweep_variants(bench, list(overrides)))
     names = list(next(iter(configs.values())))
     eval_settings = bench_eval_settings(bench, next(iter(configs.values()))[BASELINE].model)
+    if eval_settings is not None and eval_settings[1] == "target" and launched_world_size() > 1:
+        raise ConfigError(f"eval.at: target trains each variant again to its target step in one process, but this "
+                          f"bench was launched on {launched_world_size()} processes; run it without a launcher "
+                          f"or evaluate final models (eval.at: final)")
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:
@@ -647,8 +775,8 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     results = {"config": str(config_path), "reference": reference, "baseline_sweep": sweep,
                "variants": aggregate(per_seed, names), "per_seed": per_seed}
     if eval_settings is not None:
-        results["eval"] = evaluate_bench(seed_dirs, {label: c[BASELINE].data.path for label, c in configs.items()},
-                                         [reference] + [n for n in names if n not in members], reference, eval_settings)
+        results["eval"] = _evaluate(configs, seed_dirs, per_seed, [n for n in names if n not in members], reference,
+                                    eval_settings, jobs)
     results["headline"] = headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results) + (eval_markdown(results) if eval_settings is not None else "")

@@ -307,17 +307,22 @@ def test_the_headline_names_the_best_saving_at_equal_quality():
                                         "downstream quality; the largest saving, fast's 40.0%")
 
 
+# An 8-step, 2-layer GPT: the shared `base` of the bench tests below.
+TINY_BENCH_BASE = {
+    "model": {"preset": "gpt-tiny", "vocab_size": 1024, "num_layers": 2, "hidden_dropout": 0.0,
+              "attention_dropout": 0.0},
+    "data": {"seq_len": 16}, "training": {"micro_batch_size": 4, "steps": 8},
+    "optimizer": {"lr": 0.003, "warmup_steps": 2},
+    "logging": {"interval": 4, "eval_interval": 4, "eval_batches": 2, "tensorboard": False}}
+
+
 def test_bench_eval_section(train_corpus, tmp_path):
     """A bench with an `eval:` section: both runs evaluated, scores beside the savings; a task that
     does not fit the architecture stops the bench before training."""
     from msds.bench import run_bench
 
     bench = {
-        "base": {"model": {"preset": "gpt-tiny", "vocab_size": 1024, "num_layers": 2, "hidden_dropout": 0.0,
-                           "attention_dropout": 0.0},
-                 "data": {"seq_len": 16}, "training": {"micro_batch_size": 4, "steps": 8},
-                 "optimizer": {"lr": 0.003, "warmup_steps": 2},
-                 "logging": {"interval": 4, "eval_interval": 4, "eval_batches": 2, "tensorboard": False}},
+        "base": TINY_BENCH_BASE,
         "variants": {"baseline": {}, "vcycle": {
             "training": {"steps": 0},
             "multilevel": {"enabled": True, "levels": [{"hidden": 2, "heads": 2, "ffn": 2, "layers": 2}],
@@ -339,3 +344,62 @@ def test_bench_eval_section(train_corpus, tmp_path):
     assert math.isfinite(variants["vcycle"]["tasks"]["heldout-ppl"]["mean"])
     md = (tmp_path / "out" / "results.md").read_text()
     assert "### downstream evaluation" in md and "| vcycle |" in md.split("### downstream evaluation")[1]
+
+
+def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, tmp_path, capsys):
+    """`eval.at: target`: a variant that first reaches the reference's final loss before its end is
+    trained again (in a `--jobs` worker) to that evaluation's step and evaluated there; the rerun
+    reproduces the run's validation loss at that step, its model is evaluated instead of the final
+    one, and a second bench reuses it. A bad `eval.at` stops the bench before any training."""
+    from msds.bench import AT_TARGET, run_bench, target_step
+
+    bench = {
+        "base": TINY_BENCH_BASE,
+        "variants": {"baseline": {}, "longer": {"training": {"steps": 24}}},
+        "eval": {"tasks": ["heldout-ppl"], "max_examples": 2, "seq_len": 16, "batch_size": 64, "at": "middle"},
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(bench))
+    with pytest.raises(ConfigError, match=r"^eval\.at: 'middle' is not a point to evaluate at"):
+        run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"])
+    assert not (tmp_path / "out").exists()
+
+    bench["eval"]["at"] = "target"
+    path.write_text(yaml.safe_dump(bench))
+    results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
+    run = tmp_path / "out" / "longer"
+    step = target_step(run, results["per_seed"]["config"]["target_val_loss"])
+    assert step is not None and step < 24, "the longer run should pass the 8-step baseline's loss before its end"
+    entry = results["eval"]["at_target"]["config"]["longer"]
+    assert entry["step"] == step and abs(entry["val_loss"] - entry["run_val_loss"]) < 1e-5
+    rerun = run / AT_TARGET
+    assert json.loads((rerun / "at_target.json").read_text())["step"] == step
+    assert not (rerun / "checkpoints").exists() and (rerun / "model" / "model.safetensors").is_file()
+    at_target_ppl = json.loads((rerun / "eval.json").read_text())["tasks"]["heldout-ppl"]["value"]
+    assert results["eval"]["variants"]["longer"]["tasks"]["heldout-ppl"]["per_seed"] == [at_target_ppl]
+    assert not (run / "eval.json").exists()          # the final model is not what counts
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"| config | longer | {step} |" in md and "(the variants' models evaluated where they reach the target)" in md
+
+    capsys.readouterr()
+    again = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
+    assert f"{rerun} is up to date, reusing it" in capsys.readouterr().out
+    assert again["eval"] == results["eval"]
+
+
+def test_a_target_at_a_phase_end_is_refused(train_corpus, tmp_path):
+    """The trainer leaves a phase before it stops, so a variant first reaching the target at the end
+    of a phase (not the last) has no model there to rerun to: one error naming eval.at and the step."""
+    from msds.bench import _rerun_config, variant_configs
+
+    bench = {"base": {**TINY_BENCH_BASE, "data": {"seq_len": 16, "path": str(train_corpus)}},
+             "variants": {"baseline": {}, "vcycle": {
+                 "training": {"steps": 0},
+                 "multilevel": {"enabled": True, "levels": [{"hidden": 2, "heads": 2, "ffn": 2, "layers": 2}],
+                                "phase_steps": [4, 4, 8], "phase_warmup_steps": 1}}}}
+    vcycle = variant_configs(bench, tmp_path, [], world_size=1)["vcycle"]
+    rerun = _rerun_config(vcycle, 12)     # inside the last phase
+    assert (rerun.training.exit_after_steps, rerun.checkpoint.resume) == (12, "never")
+    assert rerun.run_dir == str(tmp_path / "vcycle" / "at-target") and vcycle.run_dir == str(tmp_path / "vcycle")
+    with pytest.raises(ConfigError, match=r"^eval\.at: .* first reaches the target at step 4, where phase 0 ends"):
+        _rerun_config(vcycle, 4)

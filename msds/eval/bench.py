@@ -1,14 +1,18 @@
-"""The `eval:` section of a bench config: each variant's final model evaluated on the same tasks, and
+"""The `eval:` section of a bench config: each variant's model evaluated on the same tasks, and
 whether a saving holds at equal quality.
 
     eval:
       tasks: [heldout-ppl, cloze]     # any fields of msds.eval.run.EvalSettings
       max_examples: 200
+      at: target                      # final (default) | target
 
 A variant is *at equal quality* when, on every task, its mean over the seeds is at least as good as
 the reference baseline's worst seed (the reference's seed spread, or better). Evaluated are the
-reference and every variant outside the baseline sweep; each run's record is kept in
-<run_dir>/eval.json and reused while the settings and the model's weights are the same.
+reference's final models and every variant outside the baseline sweep: its final model, or with
+`at: target` its model at the first full-size evaluation at or below the reference's final
+validation loss, the point its saving is counted at (msds/bench.py, `models_at_target`). Each
+model's record is kept in eval.json beside it and reused while the settings and the weights are
+the same.
 """
 from __future__ import annotations
 
@@ -25,21 +29,32 @@ from msds.integrity import sha256_file
 EVAL_FILE = "eval.json"
 
 
-def bench_eval_settings(bench: dict, model: ModelConfig) -> EvalSettings | None:
-    """The checked `eval:` section (None when absent); errors name `eval.<field>`."""
+EVAL_POINTS = ("final", "target")
+
+
+def bench_eval_settings(bench: dict, model: ModelConfig) -> tuple[EvalSettings, str] | None:
+    """The checked `eval:` section: the settings and where the variants are evaluated (`at`); None
+    when absent. Errors name `eval.<field>`."""
     if bench.get("eval") is None:
         return None
-    settings = from_dict(EvalSettings, bench["eval"], "eval")
+    if not isinstance(bench["eval"], dict):
+        raise ConfigError(f"eval: expected a mapping of evaluation settings, got {bench['eval']!r}")
+    section = dict(bench["eval"])
+    at = section.pop("at", "final")
+    if at not in EVAL_POINTS:
+        raise ConfigError(f"eval.at: {at!r} is not a point to evaluate at; give final (each variant's final "
+                          f"model) or target (its model where it first reaches the reference's final loss)")
+    settings = from_dict(EvalSettings, section, "eval")
     try:
         check_settings(settings, "eval")
         check_tasks_fit(settings.tasks, model, "eval.tasks")
     except MsdsError as exc:
         raise ConfigError(str(exc)) from None
-    return settings
+    return settings, at
 
 
 def evaluate_run(run_dir: Path, data_path: str, settings: EvalSettings) -> dict[str, float]:
-    """Task values of a run's exported model (<run_dir>/model), tokenizer from the run's corpus."""
+    """Task values of a run's model (<run_dir>/model), tokenizer from the run's corpus."""
     model = run_dir / "model"
     request = {"settings": asdict(settings), "model_sha256": sha256_file(model / "model.safetensors")}
     saved = run_dir / EVAL_FILE
@@ -81,11 +96,12 @@ def quality(values: dict[str, dict[str, dict[str, float]]], reference: str, sett
     return out
 
 
-def evaluate_bench(seed_dirs: dict[str, Path], data_paths: dict[str, str], names: list[str], reference: str,
+def evaluate_bench(run_dirs: dict[str, dict[str, Path]], data_paths: dict[str, str], reference: str,
                    settings: EvalSettings) -> dict:
-    """Evaluate `names` (the reference among them) in every seed directory, then `quality()`."""
-    values = {label: {name: evaluate_run(seed_dir / name, data_paths[label], settings) for name in names}
-              for label, seed_dir in seed_dirs.items()}
+    """Evaluate the model of every run directory (seed label -> variant -> directory; the reference
+    among the variants), then `quality()`."""
+    values = {label: {name: evaluate_run(run_dir, data_paths[label], settings) for name, run_dir in dirs.items()}
+              for label, dirs in run_dirs.items()}
     return quality(values, reference, settings)
 
 
@@ -97,7 +113,7 @@ def eval_markdown(results: dict) -> str:
                         for t, spec in tasks.items())
     lines = ["", "### downstream evaluation", "",
              f"Mean (best..worst) over the seeds. At equal quality: every task's mean at least as good as the "
-             f"reference's (`{quality_record['reference']}`) worst seed.", "",
+             f"reference's (`{quality_record['reference']}`) worst seed. {_models_evaluated(quality_record)}", "",
              f"| variant | {header} | FLOPs saving, mean / worst | at equal quality |",
              "|---|" + "---|" * (len(tasks) + 2)]
     for name, record in quality_record["variants"].items():
@@ -106,4 +122,26 @@ def eval_markdown(results: dict) -> str:
         pct = ["-" if x is None else f"{100 * x:.1f}%" for x in (saving["mean"], saving["worst"])]
         verdict = "yes" if record["equal_quality"] else "no: " + ", ".join(record["worse_than_reference_spread"])
         lines.append(f"| {name} | {cells} | {pct[0]} / {pct[1]} | {verdict} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _target_steps(quality_record)) + "\n"
+
+
+def _models_evaluated(quality_record: dict) -> str:
+    if quality_record.get("at") != "target":
+        return "Every model evaluated is its run's final model."
+    return ("The reference's models are its final ones; each variant's is its model at the first full-size "
+            "evaluation at or below the reference's final validation loss (the point its saving is counted "
+            "at; trained again to that step unless it is the run's last), listed below.")
+
+
+def _target_steps(quality_record: dict) -> list[str]:
+    """Per seed and variant: the step evaluated, and the rerun's validation loss there beside the
+    run's own (equal when the rerun reproduced the run)."""
+    at_target = quality_record.get("at_target")
+    if not at_target:
+        return []
+    lines = ["", "| seed | variant | step evaluated | val loss there: model evaluated / the run's |", "|---|---|---|---|"]
+    for label, records in at_target.items():
+        for name, entry in records.items():
+            step = "final (target not reached)" if entry["step"] is None else str(entry["step"])
+            lines.append(f"| {label} | {name} | {step} | {entry['val_loss']:.4f} / {entry['run_val_loss']:.4f} |")
+    return lines
