@@ -698,7 +698,8 @@ def models_at_target(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[s
             run_dir = seed_dir / name
             evals = read_metrics(run_dir, "eval")
             step = target_step(run_dir, per_seed[label]["target_val_loss"])
-            run_val_loss = next((e["val_loss"] for e in evals if e["step"] == step), evals[-1]["val_loss"])
+            run_val_loss = next((e["val_loss"] for e in evals if e["step"] == step and e.get("level", 1) == 1),
+                                evals[-1]["val_loss"])
             where[label][name] = {"run_dir": run_dir, "step": step, "val_loss": run_val_loss,
                                   "run_val_loss": run_val_loss}
             if step is None or step == evals[-1]["step"]:
