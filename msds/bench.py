@@ -167,25 +167,29 @@ def _check_fair(configs: dict[str, RunConfig]) -> None:
             raise ConfigError(f"variants.{name}: data or evaluation settings differ from the baseline's")
 
 
+def crossing_index(evals: list[dict], target: float) -> Optional[int]:
+    """The index in `evals` of the first full-size evaluation (level 1) whose val_loss is at or
+    below `target`, or None. Evaluations of a smaller level do not count: the run delivers the
+    full-size model, and a small model can reach a loss the full-size one has not."""
+    return next((i for i, record in enumerate(evals)
+                 if record.get("level", 1) == 1 and record["val_loss"] <= target), None)
+
+
 def first_crossing(evals: list[dict], target: float, key: str) -> float | None:
     """The `key` value (flops or train_seconds) at which the full-size model's val_loss first reaches
-    `target`, interpolated linearly between the two evaluations around the crossing. Evaluations of a
-    smaller level do not count (the run delivers the full-size model, and a small model can reach a
-    loss the full-size one has not), and no interpolation spans a transition: a full-size evaluation
-    that reaches the target right after one counts at its own cost."""
-    previous = None
-    for record in evals:
-        if record.get("level", 1) != 1:
-            previous = None
-            continue
-        if record["val_loss"] <= target:
-            if previous is None:
-                return record[key]
-            span = previous["val_loss"] - record["val_loss"]
-            fraction = (previous["val_loss"] - target) / span if span > 0 else 1.0
-            return previous[key] + fraction * (record[key] - previous[key])
-        previous = record
-    return None
+    `target` (`crossing_index`), interpolated linearly from the evaluation just before it. No
+    interpolation spans a transition: a full-size evaluation that reaches the target right after one
+    counts at its own cost."""
+    index = crossing_index(evals, target)
+    if index is None:
+        return None
+    record = evals[index]
+    previous = evals[index - 1] if index > 0 and evals[index - 1].get("level", 1) == 1 else None
+    if previous is None:
+        return record[key]
+    span = previous["val_loss"] - record["val_loss"]
+    fraction = (previous["val_loss"] - target) / span if span > 0 else 1.0
+    return previous[key] + fraction * (record[key] - previous[key])
 
 
 def value_at(evals: list[dict], key: str, x: float) -> float | None:
@@ -640,15 +644,6 @@ AT_TARGET = "at-target"           # <run_dir>/at-target: the run again, stopped 
 AT_TARGET_FILE = "at_target.json"
 
 
-def target_step(run_dir: Path, target: float) -> Optional[int]:
-    """The step of the run's first full-size evaluation at or below `target`: the evaluation that
-    `first_crossing` reaches the target at (None when the run never does)."""
-    for record in read_metrics(run_dir, "eval"):
-        if record.get("level", 1) == 1 and record["val_loss"] <= target:
-            return record["step"]
-    return None
-
-
 def _rerun_config(cfg: RunConfig, step: int) -> RunConfig:
     """`cfg` again in <run_dir>/at-target, stopped with a checkpoint after `step` steps: the same
     schedule, seeds and data order (the trainer is deterministic on the same threads), so the run's
@@ -697,9 +692,9 @@ def models_at_target(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[s
         for name in names:
             run_dir = seed_dir / name
             evals = read_metrics(run_dir, "eval")
-            step = target_step(run_dir, per_seed[label]["target_val_loss"])
-            run_val_loss = next((e["val_loss"] for e in evals if e["step"] == step and e.get("level", 1) == 1),
-                                evals[-1]["val_loss"])
+            index = crossing_index(evals, per_seed[label]["target_val_loss"])
+            step = None if index is None else evals[index]["step"]
+            run_val_loss = evals[-1 if index is None else index]["val_loss"]
             where[label][name] = {"run_dir": run_dir, "step": step, "val_loss": run_val_loss,
                                   "run_val_loss": run_val_loss}
             if step is None or step == evals[-1]["step"]:

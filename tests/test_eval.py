@@ -351,7 +351,8 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     trained again (in a `--jobs` worker) to that evaluation's step and evaluated there; the rerun
     reproduces the run's validation loss at that step, its model is evaluated instead of the final
     one, and a second bench reuses it. A bad `eval.at` stops the bench before any training."""
-    from msds.bench import AT_TARGET, run_bench, target_step
+    from msds.bench import AT_TARGET, crossing_index, run_bench
+    from msds.train.metrics import read_metrics
 
     bench = {
         "base": TINY_BENCH_BASE,
@@ -368,7 +369,9 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     path.write_text(yaml.safe_dump(bench))
     results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
     run = tmp_path / "out" / "longer"
-    step = target_step(run, results["per_seed"]["config"]["target_val_loss"])
+    evals = read_metrics(run, "eval")
+    index = crossing_index(evals, results["per_seed"]["config"]["target_val_loss"])
+    step = None if index is None else evals[index]["step"]
     assert step is not None and step < 24, "the longer run should pass the 8-step baseline's loss before its end"
     entry = results["eval"]["at_target"]["config"]["longer"]
     assert entry["step"] == step and abs(entry["val_loss"] - entry["run_val_loss"]) < 1e-5
