@@ -226,3 +226,45 @@ def test_truncated_checkpoint_is_reported(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(MsdsError, match="truncated or corrupt"):
         load_model(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blockwise_loss_is_the_logits_loss(dtype, monkeypatch):
+    """`linear_cross_entropy`, a block of rows at a time, gives the loss and gradients of the logits
+    path (product, bias, padding rows at -inf, megatron's cross entropy) over several blocks, with
+    ignored labels and padding rows; without gradients, the same loss. Half precisions against fp32:
+    under fp16 a loss scale's gradient neither underflows nor overflows."""
+    import torch.nn.functional as F
+    from msds.distributed import init_distributed
+    from msds.model import linear_loss
+    from msds.model.transformer import token_loss
+
+    init_distributed()
+    monkeypatch.setattr(linear_loss, "BLOCK_ELEMENTS", 40 * 100)   # 40 rows of 100: eight blocks
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(3, 100, 16, generator=g)
+    weight, bias = torch.randn(100, 16, generator=g) * 0.3, torch.randn(100, generator=g) * 0.1
+    labels = torch.randint(0, 90, (3, 100), generator=g)
+    labels[:, ::7] = -100
+    scale = 4096.0 if dtype == torch.float16 else 3.0
+
+    def loss_and_grads(fn, cast):
+        inputs = [t.to(cast).requires_grad_() for t in (features, weight, bias)]
+        loss = fn(*inputs)
+        return loss.detach().float(), [grad.float() for grad in torch.autograd.grad(loss * scale, inputs)]
+
+    def logits_loss(f, w, b):
+        logits = (F.linear(f, w) + b).float().masked_fill(torch.arange(100) >= 90, float("-inf"))
+        return token_loss(logits, labels)
+
+    blockwise = lambda f, w, b: linear_loss.linear_cross_entropy(f, w, b, labels, 90)   # noqa: E731
+    loss, grads = loss_and_grads(blockwise, dtype)
+    expected_loss, expected = loss_and_grads(logits_loss, torch.float32)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert abs(loss - expected_loss) < tolerance * expected_loss
+    for grad, want in zip(grads, expected):
+        assert rel(grad, want) < tolerance
+    assert grads[1][90:].abs().max() == 0 and grads[2][90:].abs().max() == 0   # padding rows
+    with torch.no_grad():
+        assert linear_loss.linear_cross_entropy(features.to(dtype), weight.to(dtype), bias.to(dtype), labels,
+                                                90).float() == loss

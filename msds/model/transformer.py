@@ -24,6 +24,7 @@ from torch import nn
 
 from msds.config import ModelConfig
 from msds.data.samples import IGNORE_INDEX
+from msds.model.linear_loss import linear_cross_entropy
 from msds.model.roles import routed_layers as default_routed_layers
 
 try:  # NVIDIA apex's fused LayerNorm, when importable; torch's LayerNorm otherwise.
@@ -245,13 +246,18 @@ class LMHead(nn.Module):
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
-    def forward(self, h, word_embeddings):
-        """Vocab-parallel logits: this rank's slice of the vocabulary."""
+    def forward(self, h, word_embeddings, labels=None):
+        """Vocab-parallel logits (this rank's slice of the vocabulary); with `labels`, the mean token
+        loss instead (`token_loss` of those logits). Without tensor parallelism the loss never forms
+        the logits: `linear_cross_entropy` computes it a block of rows at a time."""
         if self.arch == "bert":
             h = F.gelu(self.transform(h), approximate=self.gelu_approximate)
         h = self.norm(h)
         h = tensor_parallel.copy_to_tensor_model_parallel_region(
             h, group=parallel_state.get_tensor_model_parallel_group())
+        if labels is not None and parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return linear_cross_entropy(h, word_embeddings, self.bias if self.arch == "bert" else None, labels,
+                                        self.first_padding)
         logits = F.linear(h, word_embeddings)
         if self.arch == "bert":
             logits = logits + self.bias
@@ -259,7 +265,7 @@ class LMHead(nn.Module):
             # Never predicted: no probability, and so no gradient, reaches the padding rows.
             padding = torch.arange(logits.shape[-1], device=logits.device) >= self.first_padding
             logits = logits.masked_fill(padding, float("-inf"))
-        return logits
+        return logits if labels is None else token_loss(logits, labels)
 
     def next_sentence_logits(self, h):
         return self.nsp(torch.tanh(self.pooler(h[:, 0])))
@@ -318,7 +324,7 @@ class Transformer(nn.Module):
         if labels is None:
             return self.head(h, self.embeddings.word.weight)
         predicted, predicted_labels = labeled_positions(h, labels) if self.cfg.arch == "bert" else (h, labels)
-        loss = token_loss(self.head(predicted, self.embeddings.word.weight), predicted_labels)
+        loss = self.head(predicted, self.embeddings.word.weight, predicted_labels)
         if next_sentence_labels is not None:
             order_logits = self.head.next_sentence_logits(h).float()
             loss = loss + F.cross_entropy(order_logits, next_sentence_labels)
