@@ -3,7 +3,7 @@
 The head's last product, features [n, width] x word embeddings [vocabulary, width]^T, and the cross
 entropy over its rows are computed a block of rows at a time: the block's logits, their log-sum-exp,
 the loss, and at once the block's gradient (softmax - one-hot), which two products turn into the
-features' and the embeddings' gradients. A block's logits stay in the processor's cache, where the
+features' and the embeddings' gradients. On a CPU a block's logits stay in the cache, where the
 unfused loss makes a pass through memory over the whole logits tensor (4096 x 8192 fp32 values,
 128 MiB, at the GPT prototype's shape) for each of its steps: maximum, subtraction, exponential,
 sum, division, and again for the gradient. On one CPU core those passes took about a third of the
@@ -26,9 +26,13 @@ import torch
 
 from msds.data.samples import IGNORE_INDEX
 
-# Logits per block: 2**21 fp32 values (8 MiB; 256 rows of an 8192-token vocabulary). On one CPU core
-# at that vocabulary and widths 128 and 256, 256 rows ran as fast as any of 64 to 1024.
+# Logits per block. On a CPU 2**21 fp32 values (8 MiB; 256 rows of an 8192-token vocabulary): on one
+# core at that vocabulary and widths 128 and 256, 256 rows ran as fast as any of 64 to 1024. On an
+# accelerator, where no cache holds a block, the blocks are there to bound memory, not to be cached:
+# 2**26 values (256 MiB), some 1,300 rows of a 50,257-token vocabulary, so that each product still
+# fills the device (not measured).
 BLOCK_ELEMENTS = 2**21
+ACCELERATOR_BLOCK_ELEMENTS = 2**26
 
 
 def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -77,7 +81,8 @@ def _blocks(features, weight, bias, labels, keep, vocab_size: int, gradients: bo
         # Accumulated over blocks in fp32 whatever the parameters' dtype, then cast once.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    rows = max(1, BLOCK_ELEMENTS // vocab_size)
+    elements = BLOCK_ELEMENTS if features.device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+    rows = max(1, elements // vocab_size)
     for start in range(0, features.shape[0], rows):
         block = features[start:start + rows]
         block_keep = keep[start:start + rows]
