@@ -15,8 +15,9 @@ mean loss in fp32 in the backward pass: under fp16 the unscaled gradients of a m
 of tokens would underflow, while the summed loss's are about the size that the unfused loss's
 gradients have under a loss scale of the same order.
 
-Only for a vocabulary that is not split over tensor-parallel ranks: megatron's vocab-parallel cross
-entropy (msds.model.transformer.token_loss) is the loss then.
+Only for a vocabulary that is not split over tensor-parallel ranks, outside pipelines (whose last
+stage hands its logits to DeepSpeed's loss function): megatron's vocab-parallel cross entropy
+(msds.model.transformer.token_loss) is the loss there.
 """
 from __future__ import annotations
 
