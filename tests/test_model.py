@@ -268,3 +268,13 @@ def test_blockwise_loss_is_the_logits_loss(dtype, monkeypatch):
     with torch.no_grad():
         assert linear_loss.linear_cross_entropy(features.to(dtype), weight.to(dtype), bias.to(dtype), labels,
                                                 90).float() == loss
+
+
+def test_block_rows_by_device():
+    """A CPU block holds 2**21 logits (256 rows of BERT/GPT-prototype's 8192-token vocabulary), an
+    accelerator's 2**26 (1,335 rows of GPT-2's 50,257); a vocabulary wider than a block still gets a row."""
+    from msds.model.linear_loss import block_rows
+
+    assert block_rows(torch.device("cpu"), 8192) == 256
+    assert block_rows(torch.device("cuda", 0), 50257) == 1335
+    assert block_rows(torch.device("cpu"), 2**22) == 1

@@ -36,6 +36,12 @@ BLOCK_ELEMENTS = 2**21
 ACCELERATOR_BLOCK_ELEMENTS = 2**26
 
 
+def block_rows(device: torch.device, vocab_size: int) -> int:
+    """Rows of features per block: BLOCK_ELEMENTS logits on a CPU, ACCELERATOR_BLOCK_ELEMENTS elsewhere."""
+    elements = BLOCK_ELEMENTS if device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+    return max(1, elements // vocab_size)
+
+
 def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Mean cross entropy of `features` [..., width] x `weight` [rows, width]^T (+ `bias` [rows])
@@ -75,22 +81,22 @@ def _blocks(features, weight, bias, labels, keep, vocab_size: int, gradients: bo
     """The summed loss (fp32) and, with `gradients`, its gradients with respect to the features, the
     weight and the bias (None without one), block by block."""
     real_weight = weight[:vocab_size]
-    real_bias = None if bias is None else bias[:vocab_size]
+    real_bias = None if bias is None else bias[:vocab_size].float()   # cast once, added to fp32 logits
     total = torch.zeros((), dtype=torch.float32, device=features.device)
     if gradients:
         grad_features = torch.empty_like(features)
         # Accumulated over blocks in fp32 whatever the parameters' dtype, then cast once.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    elements = BLOCK_ELEMENTS if features.device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
-    rows = max(1, elements // vocab_size)
+        weight_update = grad_weight[:vocab_size]      # the padding rows keep a zero gradient
+    rows = block_rows(features.device, vocab_size)
     for start in range(0, features.shape[0], rows):
         block = features[start:start + rows]
         block_keep = keep[start:start + rows]
         targets = labels[start:start + rows].masked_fill(~block_keep, 0)
         logits = (block @ real_weight.t()).float()
         if real_bias is not None:
-            logits += real_bias.float()
+            logits += real_bias
         index = torch.arange(len(targets), device=logits.device)
         target_logits = logits[index, targets]
         top = logits.amax(dim=-1, keepdim=True)
@@ -103,11 +109,10 @@ def _blocks(features, weight, bias, labels, keep, vocab_size: int, gradients: bo
         probs[index, targets] -= block_keep.float()
         grad_logits = probs.to(features.dtype)
         torch.mm(grad_logits, real_weight, out=grad_features[start:start + rows])
-        update = grad_weight[:vocab_size]
         if features.dtype == torch.float32:
-            update.addmm_(grad_logits.t(), block)
+            weight_update.addmm_(grad_logits.t(), block)
         else:
-            update += (grad_logits.t() @ block).float()
+            weight_update += (grad_logits.t() @ block).float()
         if grad_bias is not None:
             grad_bias[:vocab_size] += probs.sum(dim=0)
     if not gradients:
