@@ -88,7 +88,9 @@ def _blocks(features, weight, bias, labels, keep, vocab_size: int, gradients: bo
         # Accumulated over blocks in fp32 whatever the parameters' dtype, then cast once.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        weight_update = grad_weight[:vocab_size]      # the padding rows keep a zero gradient
+        # The real rows' views, updated in place: the padding rows keep a zero gradient.
+        weight_update = grad_weight[:vocab_size]
+        bias_update = None if bias is None else grad_bias[:vocab_size]
     rows = block_rows(features.device, vocab_size)
     for start in range(0, features.shape[0], rows):
         block = features[start:start + rows]
@@ -113,8 +115,8 @@ def _blocks(features, weight, bias, labels, keep, vocab_size: int, gradients: bo
             weight_update.addmm_(grad_logits.t(), block)
         else:
             weight_update += (grad_logits.t() @ block).float()
-        if grad_bias is not None:
-            grad_bias[:vocab_size] += probs.sum(dim=0)
+        if bias_update is not None:
+            bias_update += probs.sum(dim=0)
     if not gradients:
         return total, None
     return total, (grad_features, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype))
