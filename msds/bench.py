@@ -56,7 +56,7 @@ import torch.distributed as dist
 from msds.config import (ConfigError, OptimizerConfig, RunConfig, load_yaml, parse_overrides, run_config_from_dict,
                          set_by_path)
 from msds.distributed import launched_world_size
-from msds.eval.bench import bench_eval_settings, eval_markdown, evaluate_bench
+from msds.eval.bench import EVAL_POINTS, bench_eval_settings, eval_markdown, evaluate_bench
 from msds.eval.run import EvalSettings
 from msds.plan import build_plan
 from msds.train.metrics import read_metrics
@@ -735,9 +735,11 @@ def _evaluate(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Pat
 
 
 def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str] = (),
-              only: list[str] | None = None, seeds: list[int] | None = None, jobs: int = 1) -> dict:
+              only: list[str] | None = None, seeds: list[int] | None = None, jobs: int = 1,
+              eval_at: str | None = None) -> dict:
     """Train every variant for every seed (or the variants in `only`, plus the baseline sweep;
-    reusing finished runs; `jobs` runs at a time), then write results.json, results.md and plots."""
+    reusing finished runs; `jobs` runs at a time), then write results.json, results.md and plots.
+    `eval_at` (final or target) replaces the config's `eval.at`."""
     out_dir = Path(out_dir)
     if jobs < 1:
         raise ConfigError(f"--jobs: {jobs} is not a number of runs; give 1 (one run after the other) or more")
@@ -745,6 +747,11 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
         raise ConfigError(f"--jobs: {jobs} runs at a time need a one-process bench, but this one was launched "
                           f"on {launched_world_size()} processes; drop --jobs or run the bench without a launcher")
     bench = load_yaml(config_path)
+    if eval_at is not None:
+        if not isinstance(bench.get("eval"), dict):
+            raise ConfigError(f"--eval-at: {config_path} has no eval: section to evaluate with; add one "
+                              f"(eval.tasks) or drop --eval-at")
+        bench["eval"] = {**bench["eval"], "at": eval_at}
     seed_list = bench_seeds(bench, seeds)
     seed_dirs = {(CONFIG_SEEDS if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}"
                  for s in seed_list}
@@ -785,7 +792,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
 
 
 def _run(args) -> int:
-    run_bench(args.config, args.out, args.overrides, args.only, args.seeds, args.jobs)
+    run_bench(args.config, args.out, args.overrides, args.only, args.seeds, args.jobs, args.eval_at)
     return 0
 
 
@@ -803,5 +810,8 @@ def add_parser(subparsers, name: str, doc: str) -> None:
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="train N runs at a time, each in its own process with 1/N of the threads "
                              "(one-process benches only; default: %(default)s)")
+    parser.add_argument("--eval-at", choices=EVAL_POINTS, help="where the config's eval: section scores each "
+                        "variant, replacing its `eval.at`: final (its final model) or target (its model where it "
+                        "first reaches the reference's final loss)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the shared `base` config")
     parser.set_defaults(run=_run)

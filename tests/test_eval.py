@@ -350,7 +350,9 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     """`eval.at: target`: a variant that first reaches the reference's final loss before its end is
     trained again (in a `--jobs` worker) to that evaluation's step and evaluated there; the rerun
     reproduces the run's validation loss at that step, its model is evaluated instead of the final
-    one, and a second bench reuses it. A bad `eval.at` stops the bench before any training."""
+    one, and a second bench reuses it. `--eval-at target` and the config's `eval.at: target` are the
+    same bench. A bad `eval.at`, or `--eval-at` without an eval: section, stops the bench before any
+    training."""
     from msds.bench import AT_TARGET, crossing_index, run_bench
     from msds.train.metrics import read_metrics
 
@@ -364,10 +366,13 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     with pytest.raises(ConfigError, match=r"^eval\.at: 'middle' is not a point to evaluate at"):
         run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"])
     assert not (tmp_path / "out").exists()
+    no_eval = tmp_path / "no-eval.yaml"
+    no_eval.write_text(yaml.safe_dump({k: v for k, v in bench.items() if k != "eval"}))
+    with pytest.raises(ConfigError, match=r"^--eval-at: .* has no eval: section"):
+        run_bench(no_eval, tmp_path / "out", [f"data.path={train_corpus}"], eval_at="target")
+    assert not (tmp_path / "out").exists()
 
-    bench["eval"]["at"] = "target"
-    path.write_text(yaml.safe_dump(bench))
-    results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
+    results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2, eval_at="target")
     run = tmp_path / "out" / "longer"
     evals = read_metrics(run, "eval")
     index = crossing_index(evals, results["per_seed"]["config"]["target_val_loss"])
@@ -385,6 +390,8 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     assert f"| config | longer | {step} |" in md and "(the variants' models evaluated where they reach the target)" in md
 
     capsys.readouterr()
+    bench["eval"]["at"] = "target"
+    path.write_text(yaml.safe_dump(bench))
     again = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
     assert f"{rerun} is up to date, reusing it" in capsys.readouterr().out
     assert again["eval"] == results["eval"]
