@@ -96,7 +96,8 @@ def _rerun_if_needed(entry: ModelAtTarget, cfg: RunConfig, name: str, pending: l
 
 
 def models_at_target(configs: dict[str, dict[str, RunConfig]], seed_dirs: dict[str, Path],
-                     per_seed: dict[str, SeedResult], names: list[str], jobs: int) -> dict[str, dict[str, ModelAtTarget]]:
+                     per_seed: dict[str, SeedResult], names: list[str],
+                     jobs: int) -> dict[str, dict[str, ModelAtTarget]]:
     """seed label -> variant -> where its model at the target is; the runs that need it are trained
     again to their target step (`jobs` at a time)."""
     where, pending = {}, []
