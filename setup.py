@@ -28,7 +28,7 @@ setup(
     # with `pip install -e .`, found in the checkout.
     packages=find_packages(include=["msds", "msds.*", "kernels", "kernels.*"]) + list(PACKAGED_DIRS),
     package_dir=PACKAGED_DIRS,
-    package_data={"msds.ds_configs": ["*.json"], "msds.recipes": ["*.yaml"]},
+    package_data={"msds.ds_configs": ["*.json"], "msds.recipes": ["*.yaml", "*/*.yaml"]},
     install_requires=RUNTIME,
     extras_require={
         "kernels": ["triton==3.9.0"],

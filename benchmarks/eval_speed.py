@@ -1,7 +1,7 @@
 """Wall-clock of `msds eval` with its default settings on the prototype scale (docs/evaluation.md):
 
 - the GPT tasks (heldout-ppl, cloze) on a 6-layer, 256-wide GPT (8 heads, FFN 1024, 128 positions,
-  vocabulary 8192: recipes/bench-gpt-cpu-prototype.yaml's model); target <= 3 minutes on 2 cores;
+  vocabulary 8192: recipes/bench/prototype-sweep-gpt.yaml's model); target <= 3 minutes on 2 cores;
 - the BERT fine-tuning suite (spam, sotu: 2 learning rates x 3 seeds each) on a BERT of the same
   shape; target <= 15 minutes on 2 cores.
 

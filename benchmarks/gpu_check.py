@@ -71,7 +71,7 @@ def vcycle(corpus: str, gpu: bool) -> dict:
     losses, transitions = {}, {}
     for run, backend, fused in (("auto", "auto", False), ("torch", "torch", False), ("fused_adamw", "auto", True)):
         with tempfile.TemporaryDirectory() as run_dir:
-            cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", [
+            cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", [
                 f"data.path={corpus}", f"run_dir={run_dir}", "logging.tensorboard=false", "logging.eval_batches=1",
                 f"training.precision={'bf16' if gpu else 'fp32'}", "model.hidden_dropout=0.0",
                 "model.attention_dropout=0.0", f"multilevel.phase_steps=[{','.join([str(steps)] * 5)}]",
@@ -112,7 +112,7 @@ def msds_step(gpu: bool, micro_batch: int, seq_len: int, repeats: int, ds_config
     from msds.train.engine import build_engine, destroy_engine, train_step
 
     preset = "bert-large" if gpu else "bert-tiny"
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", [
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", [
         f"model.preset={preset}", f"model.vocab_size={30522 if gpu else 512}", "model.num_layers="
         f"{24 if gpu else 2}", f"data.seq_len={seq_len}", f"training.micro_batch_size={micro_batch}",
         f"training.precision={'bf16' if gpu else 'fp32'}", "multilevel.enabled=false", "training.steps=100",

@@ -72,7 +72,7 @@ def worker(args) -> None:
     from msds.train.transition import run_transition
 
     torch.set_num_threads(1)
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml",
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml",
                           recipe_overrides(args, args.corpus, f"{args.marks}/run"))
     plan = build_plan(cfg, launched_world_size())
     init_distributed(seed=cfg.training.seed)
@@ -122,7 +122,7 @@ def model_state_bytes(args, corpus: str) -> tuple[int, int]:
     from msds.config import load_run_config
     from msds.model.roles import expected_shapes
 
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", recipe_overrides(args, corpus, "unused"))
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", recipe_overrides(args, corpus, "unused"))
     numel = sum(math.prod(s) for s in expected_shapes(cfg.model).values())
     return numel, 12 * numel
 

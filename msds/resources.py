@@ -1,6 +1,8 @@
 """The files msds ships next to its code: the DeepSpeed JSON templates and the recipes.
 
-In the repository they are the top-level directories `ds_configs/` and `recipes/`; setup.py installs
+In the repository they are the top-level directories `ds_configs/` and `recipes/` (recipes/bench/:
+one bench per question of BENCHMARKS.md; recipes/paper/: the paper-scale runs; recipes/test/: the
+test suite's; demo.yaml at the top); setup.py installs
 them as the packages `msds.ds_configs` and `msds.recipes` (package data), so they are found through
 `importlib.resources` the same way in an editable install (`pip install -e .`, which maps those
 packages back onto the checkout's directories) and in a wheel (`pip install .`, which copies them
@@ -39,16 +41,22 @@ def recipes_dir() -> Path:
     return _directory(RECIPES_PACKAGE)
 
 
+def _recipe_files() -> dict[str, Path]:
+    """Every packaged recipe by name (its file name without `.yaml`), in recipes/ and its folders;
+    the names are unique across folders (tests/test_package.py checks), so a name needs no folder."""
+    return {p.stem: p for p in sorted(recipes_dir().rglob(f"*{RECIPE_SUFFIX}"))}
+
+
 def recipe_names() -> list[str]:
-    """Names of the packaged recipes, without `.yaml`."""
-    return sorted(p.stem for p in recipes_dir().iterdir() if p.suffix == RECIPE_SUFFIX)
+    """Names of the packaged recipes, without `.yaml` or folder."""
+    return sorted(_recipe_files())
 
 
 def recipe(name: str) -> Path | None:
-    """The packaged recipe `name` (`demo` or `demo.yaml`), or None when there is none of that name.
-    Only a bare name matches: anything with a directory part is a path, not a recipe name."""
+    """The packaged recipe `name` (`prototype-gpt` or `prototype-gpt.yaml`, whichever folder of
+    recipes/ holds it), or None when there is none of that name. Only a bare name matches: anything
+    with a directory part is a path, not a recipe name."""
     if not name or "/" in name or "\\" in name:
         return None
     stem = name[: -len(RECIPE_SUFFIX)] if name.endswith(RECIPE_SUFFIX) else name
-    path = recipes_dir() / f"{stem}{RECIPE_SUFFIX}"
-    return path if path.is_file() else None
+    return _recipe_files().get(stem)

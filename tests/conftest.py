@@ -79,7 +79,7 @@ def launch(train_corpus):
 
 @pytest.fixture(scope="session")
 def one_process_losses(train_corpus, tmp_path_factory):
-    """Per-step losses of a one-process run of recipes/test-vcycle-<arch>.yaml with overrides,
+    """Per-step losses of a one-process run of recipes/test/test-vcycle-<arch>.yaml with overrides,
     computed once per (arch, overrides): the references the parallel runs are compared with."""
     from pathlib import Path
 
@@ -94,7 +94,7 @@ def one_process_losses(train_corpus, tmp_path_factory):
         key = (arch, overrides)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"one-{arch}")
-            cfg = load_run_config(repo / "recipes" / f"test-vcycle-{arch}.yaml",
+            cfg = load_run_config(repo / "recipes" / "test" / f"test-vcycle-{arch}.yaml",
                                   [f"data.path={train_corpus}", f"run_dir={run_dir}", "logging.tensorboard=false",
                                    *overrides])
             train(cfg)

@@ -286,3 +286,16 @@ def test_a_finished_run_is_reused_only_while_it_would_train_the_same(tmp_path, t
     with pytest.raises(ConfigError, match=r"variants\.vcycle: .*started with another config \(multilevel\.alpha"):
         pending("multilevel.alpha=0.5")
 
+
+
+def test_a_variant_named_with_a_plus_is_a_run_directory_and_an_only_argument(tmp_path, train_corpus):
+    """Variants are named for what they are (`vcycle+random-ltd`): the name is its run directory and
+    `--only` takes it as written."""
+    from msds.cli import build_parser
+
+    bench = {"base": MINIMAL["base"], "variants": {"baseline": {}, "vcycle+random-ltd": MINIMAL["variants"]["vcycle"]}}
+    args = build_parser("bench").parse_args(["bench", "--config", "b.yaml", "--out", "o", "data.path=x",
+                                             "--only", "vcycle+random-ltd"])
+    assert args.only == ["vcycle+random-ltd"] and args.overrides == ["data.path=x"]
+    configs = variant_configs(bench, tmp_path, [f"data.path={train_corpus}"], world_size=1)
+    assert configs["vcycle+random-ltd"].run_dir == str(tmp_path / "vcycle+random-ltd")

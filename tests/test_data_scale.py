@@ -145,7 +145,7 @@ def test_dataset_from_megatrons_builder_trains_as_the_msds_corpus(tmp_path, trai
         assert np.array_equal(ours.tokens, theirs.tokens) and np.array_equal(ours.doc_offsets, theirs.doc_offsets)
     short = ("multilevel.enabled=false", "training.steps=4", "logging.eval_interval=2")
     run = tmp_path / "run"
-    train(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml",
+    train(load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml",
                           [f"data.path={prefix}", f"data.tokenizer={train_corpus}", f"data.split={split}",
                            f"run_dir={run}", "logging.tensorboard=false", *short]))
     losses = {str(r["step"]): r["loss"] for r in read_metrics(run, "step")}
@@ -204,7 +204,7 @@ def test_blend_order_is_identical_after_a_resume(tmp_path, bpe_corpus, train_cor
 def test_data_fields_are_checked_by_the_plan(recipe, overrides, world, message):
     from msds.plan import build_plan
 
-    cfg = load_run_config(REPO / "recipes" / f"test-vcycle-{recipe}.yaml", overrides)
+    cfg = load_run_config(REPO / "recipes" / "test" / f"test-vcycle-{recipe}.yaml", overrides)
     with pytest.raises(ConfigError, match=message):
         build_plan(cfg, world)
 
@@ -257,7 +257,7 @@ def test_sentence_order_training_beats_chance(tmp_path):
     corpus = tmp_path / "corpus"
     prepare("wordpiece-300", corpus, jsonl=str(tmp_path / "ordered.jsonl"), num_proc=1, log=lambda _: None)
     run_dir = tmp_path / "run"
-    train(load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", [
+    train(load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", [
         f"data.path={corpus}", f"run_dir={run_dir}", "data.sentence_order=true", "model.nsp_head=true",
         "model.vocab_size=64", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
         "multilevel.enabled=false", "training.steps=1400", "training.micro_batch_size=32", "optimizer.lr=0.004",

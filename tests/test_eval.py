@@ -124,7 +124,7 @@ def tiny_models(train_corpus, tmp_path_factory):
     models = {}
     for arch in ("gpt", "bert"):
         run_dir = work / f"run-{arch}"
-        cfg = load_run_config(REPO / "recipes" / f"test-vcycle-{arch}.yaml", [
+        cfg = load_run_config(REPO / "recipes" / "test" / f"test-vcycle-{arch}.yaml", [
             f"data.path={train_corpus}", f"run_dir={run_dir}", "logging.tensorboard=false", "multilevel.enabled=false",
             "training.steps=120", "training.micro_batch_size=8", "optimizer.lr=0.003", "logging.eval_interval=120",
             "model.hidden_dropout=0.0", "model.attention_dropout=0.0"])

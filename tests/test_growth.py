@@ -19,7 +19,7 @@ from msds.train.metrics import read_metrics
 from msds.train.transition import run_transition
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = REPO / "recipes" / "test" / "test-vcycle-gpt.yaml"
 DEPTH_ONLY = "{{hidden: 1, heads: 1, ffn: 1, layers: {g}, depth_layout: {layout}}}"
 
 

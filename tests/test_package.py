@@ -68,14 +68,14 @@ def test_installed_package_trains_outside_the_checkout(tmp_path):
     _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
           "--target", site, source], cwd=work, env=dict(os.environ), timeout=300)
     for folder, suffix in (("ds_configs", ".json"), ("recipes", ".yaml")):
-        shipped = sorted(REPO.glob(f"{folder}/*{suffix}"))
-        assert shipped, f"no {folder}/*{suffix} in the checkout"
+        shipped = sorted((REPO / folder).rglob(f"*{suffix}"))    # recipes/bench/, paper/, test/ too
+        assert shipped, f"no {folder}/**/*{suffix} in the checkout"
         for path in shipped:
-            installed = site / "msds" / folder / path.name
+            installed = site / "msds" / path.relative_to(REPO)
             assert installed.is_file(), f"{path.relative_to(REPO)} is not in the installed package ({installed})"
             assert installed.read_bytes() == path.read_bytes()
     say(f"  the package holds {len(list((site / 'msds' / 'ds_configs').glob('*.json')))} DeepSpeed templates "
-        f"and {len(list((site / 'msds' / 'recipes').glob('*.yaml')))} recipes")
+        f"and {len(list((site / 'msds' / 'recipes').rglob('*.yaml')))} recipes")
 
     # Only the installed copy is importable: the checkout is neither on PYTHONPATH nor the cwd.
     env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
@@ -105,7 +105,7 @@ def test_installed_package_trains_outside_the_checkout(tmp_path):
     say(f"  msds imported from {where['msds']}")
     assert Path(where["msds"]) == site / "msds" / "__init__.py", where
     assert Path(where["template"]) == site / "msds" / "ds_configs" / "zero1.json", where
-    assert Path(where["recipe"]) == site / "msds" / "recipes" / "test-vcycle-gpt.yaml", where
+    assert Path(where["recipe"]) == site / "msds" / "recipes" / "test" / "test-vcycle-gpt.yaml", where
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
@@ -113,3 +113,16 @@ def test_installed_package_trains_outside_the_checkout(tmp_path):
     assert steps and steps[-1]["step"] == 30, records[-3:]
     assert len(transitions) == 4, transitions
     say(f"  trained 30 steps through {len(transitions)} transitions, final loss {steps[-1]['loss']:.3f}")
+
+
+def test_recipe_names_are_unique_across_folders():
+    """A recipe is found by its bare name in whichever folder of recipes/ holds it
+    (msds/resources.py), so no two folders may hold the same name."""
+    from msds import resources
+
+    stems = [p.stem for p in (REPO / "recipes").rglob("*.yaml")]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
+    assert set(resources.recipe_names()) == set(stems)
+    assert resources.recipe("prototype-gpt").resolve() == REPO / "recipes" / "bench" / "prototype-gpt.yaml"
+    assert resources.recipe("bert-large-vcycle3.yaml").resolve() == REPO / "recipes" / "paper" / "bert-large-vcycle3.yaml"
+    assert resources.recipe("bench/prototype-gpt") is None       # a path, not a name

@@ -19,7 +19,7 @@ from msds.multilevel.operators import coalesce, decoalesce, plan_level
 from msds.train.checkpointing import safe_load
 from msds.train.loop import train
 from msds.plan import build_plan
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test" / "test-vcycle-gpt.yaml"
 EXACT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
 TOLERANCE = 1e-5   # absolute, on per-step losses of ~6: float reassociation of split matmuls and sums
 

@@ -13,7 +13,7 @@ from msds.plan import memory
 from msds.plan.schedule import flops_per_sample
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 # The paper-scale recipes are planned at a cluster's size; the CPU ones on this machine's.
 CLUSTER = {"bert-base-vcycle2", "bert-large-baseline", "bert-large-vcycle2", "bert-large-vcycle3",
            "gpt-base-baseline", "gpt-base-vcycle2"}
@@ -35,7 +35,7 @@ def test_every_recipe_plans(recipe, capsys):
 
 
 def test_plan_table_for_a_cluster(capsys):
-    assert msds_main(["plan", "--config", str(REPO / "recipes" / "bert-large-vcycle3.yaml"),
+    assert msds_main(["plan", "--config", str(REPO / "recipes" / "paper" / "bert-large-vcycle3.yaml"),
                       "--world-size", "32"]) == 0
     out = capsys.readouterr().out
     assert "32 process(es) = data 32 x tensor 1 x pipeline 1; ZeRO 1, bf16" in out
@@ -46,7 +46,7 @@ def test_plan_table_for_a_cluster(capsys):
 def test_prototype_baseline_flops_match_the_recorded_bench(capsys):
     """The bench's FLOPs axis comes from the plan: the prototype baseline's 480 steps are the
     8.504e13 FLOPs that BENCHMARKS.md records for it."""
-    assert msds_main(["plan", "--config", str(REPO / "recipes" / "bench-gpt-cpu-prototype.yaml"), "--json"]) == 0
+    assert msds_main(["plan", "--config", str(REPO / "recipes" / "bench" / "prototype-sweep-gpt.yaml"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["baseline"]["total_flops"] == pytest.approx(8.504e13, rel=1e-4)
 
@@ -64,7 +64,7 @@ def test_prototype_baseline_flops_match_the_recorded_bench(capsys):
     (["training.steps=7"], 1, r"^training\.steps: 7 differs from the sum of multilevel\.phase_steps \(30\)"),
 ])
 def test_bad_layouts_and_settings_are_one_error(overrides, world, message, capsys):
-    recipe = str(REPO / "recipes" / "test-vcycle-gpt.yaml")
+    recipe = str(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml")
     with pytest.raises(ConfigError, match=message):
         build_plan(load_run_config(recipe, overrides), world)
     assert msds_main(["plan", "--config", recipe, "--world-size", str(world), *overrides]) == 2
@@ -73,7 +73,7 @@ def test_bad_layouts_and_settings_are_one_error(overrides, world, message, capsy
 
 
 def test_plan_keeps_its_own_copy_and_fills_the_run_length():
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", [])
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", [])
     plan = build_plan(cfg)
     assert cfg.training.steps == 0 and plan.config.training.steps == plan.total_steps == 30
     cfg.optimizer.lr = 123.0
@@ -86,7 +86,7 @@ def test_plan_keeps_its_own_copy_and_fills_the_run_length():
 
 
 def test_ds_config_per_phase_is_fresh_and_carries_the_peak_lr():
-    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", []))
+    plan = build_plan(load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", []))
     first, coarse = plan.ds_config(plan.phases[0]), plan.ds_config(plan.phases[2])
     assert first["optimizer"]["params"]["lr"] == plan.phases[0].peak_lr
     assert coarse["optimizer"]["params"]["lr"] == plan.phases[2].peak_lr == 8 * plan.phases[0].peak_lr   # x4, then x2 (width only)
@@ -96,7 +96,7 @@ def test_ds_config_per_phase_is_fresh_and_carries_the_peak_lr():
 
 
 def test_flops_per_step_is_the_formula_times_the_global_batch():
-    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", []), world_size=1)
+    plan = build_plan(load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", []), world_size=1)
     small = plan.model(3)
     assert plan.flops_per_step(3, 12) == flops_per_sample(small, 32) * plan.samples_per_step
     assert plan.phase_flops(plan.phases[2]) == 6 * plan.flops_per_step(3, 12)
@@ -118,7 +118,7 @@ def test_memory_estimate_splits_like_the_parallel_layout():
 def _prototype(multilevel: dict, **training):
     from msds.config import load_yaml, run_config_from_dict
 
-    base = load_yaml(REPO / "recipes" / "bench-gpt-cpu-prototype.yaml")["base"]
+    base = load_yaml(REPO / "recipes" / "bench" / "prototype-sweep-gpt.yaml")["base"]
     base["training"] = {**base["training"], **training}
     return run_config_from_dict({**base, "multilevel": {"enabled": True, **multilevel}})
 
@@ -163,14 +163,14 @@ def test_a_budget_sized_plan_replans_to_the_same_run():
 
 
 def test_the_baseline_keeps_its_warmup_as_given():
-    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml",
+    plan = build_plan(load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml",
                                       ["multilevel.enabled=false", "training.steps=10", "optimizer.warmup_steps=20"]))
     assert plan.phases[0].warmup_steps == 20 and plan.lr_curves[0](0) == pytest.approx(1 / 20)
 
 
 def test_packaged_ds_config_found_by_name_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    recipe = str(REPO / "recipes" / "test-vcycle-gpt.yaml")
+    recipe = str(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml")
     for name in ("ds_configs/zero1-random-ltd-seq64.json", "zero1-random-ltd-seq64.json"):
         cfg = load_run_config(recipe, [f"training.ds_config={name}", "data.seq_len=64", "model.max_positions=64"])
         assert build_plan(cfg).random_ltd.max_value == 64
@@ -183,7 +183,7 @@ def test_unsupported_deepspeed_sections_are_errors(tmp_path):
     ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
     ds["data_efficiency"] = {"enabled": True, "data_sampling": {"enabled": True}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    recipe = str(REPO / "recipes" / "test-vcycle-gpt.yaml")
+    recipe = str(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml")
     with pytest.raises(ConfigError, match=r"data_efficiency\.data_sampling \(curriculum learning\) is not supported"):
         build_plan(load_run_config(recipe, [f"training.ds_config={tmp_path / 'ds.json'}"]))
     ds = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
@@ -199,7 +199,7 @@ def test_engine_checkpoints_do_not_carry_the_plan_s_curves():
     hands it a plain function, so a resumed run always follows the plan it was started with."""
     from msds.train.engine import build_engine, destroy_engine
 
-    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", []))
+    plan = build_plan(load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", []))
     engine = build_engine(plan, plan.phases[0], None)
     try:
         assert engine.lr_scheduler.state_dict()["lr_lambdas"] == [None, None]
@@ -215,13 +215,13 @@ def test_bert_prototype_recipe_plans_the_v_cycles_benchmarks_measured(tmp_path):
     from msds.bench.variants import variant_configs
     from msds.config import load_yaml
 
-    bench = load_yaml(REPO / "recipes" / "bench-bert-cpu-prototype-tuned.yaml")
+    bench = load_yaml(REPO / "recipes" / "bench" / "prototype-sweep-bert.yaml")
     configs = variant_configs(bench, tmp_path, [], world_size=1, seed=1234)
     measured = {"vcycle-lr2x-f48-s384-pw48": ([48, 384, 340], [48, 48, 48], 0.75),
                 "vcycle-lr2x-f48-s384-pw48-a50": ([48, 384, 340], [48, 48, 48], 0.5),
                 "vcycle-lr2x-f48-s192-pw48": ([48, 192, 387], [48, 48, 48], 0.75),
                 "vcycle-lr2x-f48-s384-pw48-a60": ([48, 384, 340], [48, 48, 48], 0.6),
-                "vcycle-lr2x-f48-s384-pw96-a50": ([48, 384, 340], [48, 96, 96], 0.5),
+                "vcycle-tuned": ([48, 384, 340], [48, 96, 96], 0.5),
                 "vcycle-lr2x-f96-s384-pw48-a50": ([96, 384, 292], [96, 48, 48], 0.5)}
     for name, (steps, warmups, alpha) in measured.items():
         plan = build_plan(configs[name], 1)

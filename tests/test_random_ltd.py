@@ -169,7 +169,7 @@ def test_bad_random_ltd_config(path, value, message, tmp_path, train_corpus):
     full = json.loads(open("ds_configs/zero1.json").read())
     full.update(ds)
     (tmp_path / "ds.json").write_text(json.dumps(full))
-    cfg = load_run_config("recipes/test-vcycle-gpt.yaml", [f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}",
+    cfg = load_run_config("recipes/test/test-vcycle-gpt.yaml", [f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}",
                                                           f"training.ds_config={tmp_path / 'ds.json'}",
                                                           "logging.tensorboard=false"])
     with pytest.raises(ConfigError, match=message):
@@ -188,7 +188,7 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     ds.update(copy.deepcopy(DS_LTD))
     ds["data_efficiency"]["data_routing"]["random_ltd"]["layer_token_lr_schedule"] = {"enabled": True}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    cfg = load_run_config("recipes/test-vcycle-gpt.yaml", [
+    cfg = load_run_config("recipes/test/test-vcycle-gpt.yaml", [
         f"data.path={train_corpus}", f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
         "multilevel.enabled=false", "training.steps=100", "optimizer.warmup_steps=20",
         f"training.ds_config={tmp_path / 'ds.json'}"])
@@ -211,7 +211,7 @@ def test_layer_token_lr_schedule_under_one_run_long_cosine(tmp_path):
     ds.update(copy.deepcopy(DS_LTD))
     ds["data_efficiency"]["data_routing"]["random_ltd"]["layer_token_lr_schedule"] = {"enabled": True}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    recipe = "recipes/test-vcycle-gpt.yaml"
+    recipe = "recipes/test/test-vcycle-gpt.yaml"
     plan = build_plan(load_run_config(recipe, ["multilevel.lr_schedule=run",
                                                f"training.ds_config={tmp_path / 'ds.json'}"]))
     by_steps = build_plan(load_run_config(recipe, ["multilevel.lr_schedule=run"]))

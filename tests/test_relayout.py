@@ -18,7 +18,7 @@ from msds.train import checkpointing, relayout
 from msds.train.loop import train
 from msds.train.metrics import read_metrics
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test" / "test-vcycle-gpt.yaml"
 # The same overrides as tests/dist/train_checks.py's relayout suite: phases of 2, 2, 4, 2 and 2 steps.
 SHORT_VCYCLE = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0", "multilevel.phase_steps=[2,2,4,2,2]",
                 "logging.eval_batches=1"]

@@ -22,7 +22,7 @@ from msds.train.loop import train
 from msds.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"      # dropout 0.1, ZeRO-1
+RECIPE = REPO / "recipes" / "test" / "test-vcycle-gpt.yaml"      # dropout 0.1, ZeRO-1
 BASE = ["multilevel.enabled=false", "training.steps=4", "logging.tensorboard=false"]
 TAG = "step00000002"
 

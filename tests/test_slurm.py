@@ -1,7 +1,7 @@
 """The sbatch scripts of slurm/ on a real one-node Slurm cluster (tests/slurm_cluster.py).
 
 Both tests submit slurm/gpt-base-vcycle2.sbatch itself, shrunk to this machine by sbatch options
-and MSDS_* variables: a 3-level tiny-GPT V-cycle (recipes/test-vcycle-gpt.yaml) with 2 CPU workers.
+and MSDS_* variables: a 3-level tiny-GPT V-cycle (recipes/test/test-vcycle-gpt.yaml) with 2 CPU workers.
 
 1. The job runs to the end under the deepspeed launcher: COMPLETED, one run directory per job,
    every step logged once with 2 workers' worth of samples, the 4 transitions, a final loss.
@@ -25,7 +25,7 @@ from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "gpt-base-vcycle2.sbatch"
-RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = REPO / "recipes" / "test" / "test-vcycle-gpt.yaml"
 WORKERS = 2
 MICRO_BATCH = 4            # training.micro_batch_size of the recipe
 PHASE_STEPS = [60, 60, 60, 60, 60]     # levels 1, 2, 3, 2, 1

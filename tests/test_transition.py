@@ -25,7 +25,7 @@ from msds.train.engine import (MOMENTS, _step_counter, build_engine, destroy_eng
                                full_weights, optimizer_step_count, train_step)
 from msds.train.transition import release_freed_memory, resident_memory_mb, run_transition
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "test" / "test-vcycle-gpt.yaml"
 
 
 @pytest.mark.parametrize("depth_layout", ["adjacent", "strided"])

@@ -48,7 +48,7 @@ def test_paper_recipes_build_at_tensor_parallel_sizes_with_real_vocabularies(rec
 
 def test_padded_sizes_are_megatrons():
     def padded(vocab, tp, multiple=128):
-        cfg = load_run_config(REPO / "recipes" / "gpt-base-baseline.yaml",
+        cfg = load_run_config(REPO / "recipes" / "paper" / "gpt-base-baseline.yaml",
                               [f"model.vocab_size={vocab}", f"model.make_vocab_size_divisible_by={multiple}",
                                f"parallel.tensor={tp}", "model.num_heads=16"])
         return build_plan(cfg, world_size=tp).padded_vocab_size
@@ -59,7 +59,7 @@ def test_padded_sizes_are_megatrons():
 
 
 def test_make_vocab_size_divisible_by_must_be_positive():
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-gpt.yaml", ["model.make_vocab_size_divisible_by=0"])
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml", ["model.make_vocab_size_divisible_by=0"])
     with pytest.raises(ConfigError, match=r"^model\.make_vocab_size_divisible_by: must be positive, got 0$"):
         build_plan(cfg)
 

@@ -1,6 +1,6 @@
 """`msds bench`: the baseline and its V-cycle variants side by side, and the saving at equal quality.
 
-    msds bench --config recipes/bench-gpt-cpu.yaml --out bench_out/gpt [--seeds 1 2 3] [key=value ...]
+    msds bench --config prototype-gpt --out bench_out/prototype-gpt [--seeds 1 2 3] [key=value ...]
 
 A bench config has a `base` run config (model, data, optimizer, training, logging, ...) shared by
 every run, `variants`: name -> overrides of `base` (one must be named `baseline`), and optionally:
@@ -55,12 +55,14 @@ def _run(args) -> int:
 def add_parser(subparsers, name: str, doc: str) -> None:
     parser = subparsers.add_parser(name, help=doc, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="bench config, or a packaged recipe's name (bench-*)")
+    parser.add_argument("--config", required=True,
+                        help="bench config, or a packaged recipe's name (recipes/bench/: prototype-gpt, ...)")
     parser.add_argument("--out", required=True, help="output directory (one run directory per variant and seed)")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
                         help="run every variant once per seed (overrides the config's `seeds`)")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="train and report only these variants and "
-                        "the baseline sweep (which always runs); put key=value overrides before --only")
+                        "the baseline sweep (which always runs; names such as vcycle+random-ltd as they are); put "
+                        "key=value overrides before --only")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="train N runs at a time, each in its own process with 1/N of the threads "
                              "(one-process benches only; default: %(default)s)")

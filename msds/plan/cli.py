@@ -1,6 +1,6 @@
 """`msds plan`: check a run config and show what `msds train` would do with it, without training.
 
-    msds plan --config recipes/bert-large-vcycle2.yaml --world-size 32 [key=value ...]
+    msds plan --config recipes/paper/bert-large-vcycle2.yaml --world-size 32 [key=value ...]
 
 Prints, per phase, the level, model shape, parameters, steps, peak learning rate, FLOPs and an
 estimate of memory per rank (weights, gradients, optimizer state at the chosen ZeRO stage; see

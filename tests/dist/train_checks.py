@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run(name, arch, corpus, work, *overrides):
-    recipe = REPO / "recipes" / f"test-vcycle-{arch}.yaml"
+    recipe = REPO / "recipes" / "test" / f"test-vcycle-{arch}.yaml"
     cfg = load_run_config(recipe, [f"data.path={corpus}", f"run_dir={work / name}", "logging.tensorboard=false",
                                    *overrides])
     summary = train(cfg)
