@@ -9,4 +9,5 @@ equal quality.
     report.py     the headline and results.md's tables
     plots.py      loss against FLOPs and against wall-clock
     run.py        run_bench: all of the above, writing results.json, results.md and the plots
+    doc_tables.py `msds report`: BENCHMARKS.md's and README.md's tables from benchmarks/results/*.json
 """
