@@ -74,6 +74,7 @@ def test_check_names_a_doctored_table_and_changes_nothing(tmp_path, capsys):
     (lambda r, d: r["rows"][0].pop("loss"), r"benchmarks/results/t\.json: rows\[0\] has no 'loss'.*add the key"),
     (lambda r, d: r["columns"][1].update(format="median"),
      r"t\.json: columns\[1\]\.format: unknown format 'median'; use one of plain, mean_worst, list"),
+    (lambda r, d: r["columns"][3].update(digit=2), r"t\.json: columns\[3\]: unknown field 'digit'; a column has key"),
     (lambda r, d: d.write_text(d.read_text().replace("<!-- end table -->\n", "")),
      r"BENCHMARKS\.md:4: the table marker for benchmarks/results/t\.json is never closed; add '<!-- end table -->'"),
 ])

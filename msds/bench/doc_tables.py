@@ -111,7 +111,11 @@ def _column(spec: dict, path: str, index: int) -> Column:
     where = f"{path}: columns[{index}]"
     if not isinstance(spec, dict) or "key" not in spec or "label" not in spec:
         raise MsdsError(f"{where}: a column needs a \"key\" and a \"label\"; add them")
-    column = Column(**{k: v for k, v in spec.items() if k in Column.__dataclass_fields__})
+    unknown = sorted(set(spec) - set(Column.__dataclass_fields__))
+    if unknown:
+        raise MsdsError(f"{where}: unknown field {unknown[0]!r}; a column has "
+                        f"{', '.join(Column.__dataclass_fields__)}")
+    column = Column(**spec)
     if column.format not in FORMATS:
         raise MsdsError(f"{where}.format: unknown format {column.format!r}; use one of {', '.join(FORMATS)} "
                         f"(or add it to msds/bench/doc_tables.py)")
