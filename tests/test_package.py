@@ -124,5 +124,6 @@ def test_recipe_names_are_unique_across_folders():
     assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
     assert set(resources.recipe_names()) == set(stems)
     assert resources.recipe("prototype-gpt").resolve() == REPO / "recipes" / "bench" / "prototype-gpt.yaml"
-    assert resources.recipe("bert-large-vcycle3.yaml").resolve() == REPO / "recipes" / "paper" / "bert-large-vcycle3.yaml"
+    paper = REPO / "recipes" / "paper" / "bert-large-vcycle3.yaml"
+    assert resources.recipe("bert-large-vcycle3.yaml").resolve() == paper
     assert resources.recipe("bench/prototype-gpt") is None       # a path, not a name

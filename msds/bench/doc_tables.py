@@ -140,8 +140,9 @@ def load_table(json_path: str, root: Path, doc: Path) -> ResultsTable:
     """The results file a marker names, read and checked; errors name the file and the fix."""
     path = root / json_path
     if not path.is_file():
-        raise MsdsError(f"{doc}: the table marker names {json_path}, which does not exist under {root.resolve()}; commit "
-                        f"that results file or fix the marker's path (relative to the repository root)")
+        raise MsdsError(f"{doc}: the table marker names {json_path}, which does not exist under "
+                        f"{root.resolve()}; commit that results file or fix the marker's path (relative to the "
+                        f"repository root)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
