@@ -1,5 +1,5 @@
 """Where a masked LM sits when it has learned only the token frequencies, and whether Hugging Face's
-own BERT leaves that plateau on msds's batches (BENCHMARKS.md, "Against a tuned baseline").
+own BERT leaves that plateau on msds's batches (docs/experiments/2026-11-30-tuned-baseline-gpt.md).
 
 - The unigram reference: the cross-entropy of the validation targets (msds's masked-LM samples,
   the evaluation batches `msds train` uses) under a unigram fitted on the targets of 200 training
