@@ -192,14 +192,14 @@ def msds_row(corpus, precision, steps, shape, count, extra=()) -> dict:
     return counter.summary()
 
 
-def hand_row(corpus, precision, steps, shape, count, model: str) -> dict:
+def hand_row(corpus, precision, steps, shape, count, model: str, extra=()) -> dict:
     """A plain torch loop: `model` "msds" (msds's Transformer) or "hf" (BertForMaskedLM, same
     shape), fused AdamW, foreach gradient clipping, bf16 by autocast; the loss is never read."""
     from msds.data import train_batches
     from msds.plan import build_plan
 
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = msds_config(corpus, precision, run_dir, steps + WARMUP, shape)
+        cfg = msds_config(corpus, precision, run_dir, steps + WARMUP, shape, extra)
     plan = build_plan(cfg)
     torch.manual_seed(0)
     net = build_model(plan, model)
@@ -211,6 +211,8 @@ def hand_row(corpus, precision, steps, shape, count, model: str) -> dict:
     with counter.active():
         for _ in range(steps + WARMUP):
             batch = next(batches)
+            if model == "hf":   # the positions are msds's
+                batch.pop("masked_positions", None)
             with autocast:
                 loss = net(**batch)
                 loss = loss if model == "msds" else loss.loss
@@ -245,13 +247,14 @@ ROWS = {"msds train": lambda *a, **k: msds_row(*a, **k),
         "torch loop, HF BertForMaskedLM": lambda *a, **k: hand_row(*a, **k, model="hf")}
 
 
-def measure(corpus: str, precisions, steps: int, shape, rows=tuple(ROWS)) -> list[dict]:
-    """One record per (row, precision): counted figures and the host time of an uncounted run."""
+def measure(corpus: str, precisions, steps: int, shape, extra=(), rows=tuple(ROWS)) -> list[dict]:
+    """One record per (row, precision): counted figures and the host time of an uncounted run.
+    `extra`: msds config overrides for every row (e.g. data.max_predictions_per_seq=20)."""
     out = []
     for precision in precisions:
         for name in rows:
-            counted = ROWS[name](corpus, precision, steps, shape, count=True)
-            timed = ROWS[name](corpus, precision, steps, shape, count=False)
+            counted = ROWS[name](corpus, precision, steps, shape, count=True, extra=extra)
+            timed = ROWS[name](corpus, precision, steps, shape, count=False, extra=extra)
             out.append({"row": name, "precision": precision, "ops_per_step": counted["ops_per_step"],
                         "syncs_per_step": counted["syncs_per_step"], "sync_ops_per_step": counted["sync_ops_per_step"],
                         "host_ms_per_step": timed["host_ms_per_step"], "steps": counted["steps"]})
@@ -270,6 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", nargs="*", default=[], metavar="key=value",
+                        help="msds config overrides for every row, e.g. data.max_predictions_per_seq=20")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from msds.distributed import init_distributed
@@ -279,11 +284,11 @@ def main(argv=None) -> int:
     import transformers
 
     shape = (args.width, args.layers, args.batch, args.seq)
-    rows = measure(args.data, args.precision, args.steps, shape)
+    rows = measure(args.data, args.precision, args.steps, shape, args.set)
     args.json.write_text(json.dumps({
         "setting": {"machine": "CPU", "threads": args.threads, "versions": f"torch {torch.__version__}, deepspeed "
                     f"{deepspeed.__version__}, transformers {transformers.__version__}",
-                    "shape": {"width": args.width, "layers": args.layers, "micro_batch": args.batch, "seq": args.seq},
+                    "overrides": args.set, "shape": {"width": args.width, "layers": args.layers, "micro_batch": args.batch, "seq": args.seq},
                     "command": "python benchmarks/host_overhead.py " + " ".join(argv or sys.argv[1:]),
                     "date": time.strftime("%Y-%m-%d")},
         "rows": rows}, indent=1))
