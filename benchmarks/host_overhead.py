@@ -194,7 +194,8 @@ def msds_row(corpus, precision, steps, shape, count, extra=()) -> dict:
 
 def hand_row(corpus, precision, steps, shape, count, model: str, extra=()) -> dict:
     """A plain torch loop: `model` "msds" (msds's Transformer) or "hf" (BertForMaskedLM, same
-    shape), fused AdamW, foreach gradient clipping, bf16 by autocast; the loss is never read."""
+    shape), fused AdamW, foreach gradient clipping; in bf16 the weights are bf16 (no fp32 master
+    copy: msds's block-wise loss is no autocast function); the loss is never read."""
     from msds.data import train_batches
     from msds.plan import build_plan
 
@@ -202,20 +203,18 @@ def hand_row(corpus, precision, steps, shape, count, model: str, extra=()) -> di
         cfg = msds_config(corpus, precision, run_dir, steps + WARMUP, shape, extra)
     plan = build_plan(cfg)
     torch.manual_seed(0)
-    net = build_model(plan, model)
+    net = build_model(plan, model).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     groups = _weight_decay_groups(net, cfg.optimizer.weight_decay)
     opt = torch.optim.AdamW(groups, lr=cfg.optimizer.lr, fused=True)
     batches = train_batches(cfg.data, "bert", cfg.data.seq_len, cfg.training.micro_batch_size, cfg.data.seed, 0, 1)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     counter = StepCounter(count)
     with counter.active():
         for _ in range(steps + WARMUP):
             batch = next(batches)
             if model == "hf":   # the positions are msds's
                 batch.pop("masked_positions", None)
-            with autocast:
-                loss = net(**batch)
-                loss = loss if model == "msds" else loss.loss
+            loss = net(**batch)
+            loss = loss if model == "msds" else loss.loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.optimizer.grad_clip, foreach=True)
             opt.step()
