@@ -7,7 +7,7 @@ is a kernel launch and every sync drains the device's queue.
     .venv/bin/python benchmarks/host_overhead.py --json out.json [--steps 20] [--precision fp32 bf16]
 
 Counting (`StepCounter`, used by tests/test_host_overhead.py too): a TorchDispatchMode counts every
-ATen operation; syncs are the operations that read a device value on the host (aten._local_scalar_dense,
+ATen operation, and apart those that would launch a kernel on a GPU (not views, not allocations); syncs are the operations that read a device value on the host (aten._local_scalar_dense,
 i.e. .item() / float() / bool() of a tensor; nonzero, is_nonzero, equal, masked_select, unique, boolean
 indexing), copies from an accelerator to the host, `Tensor.tolist()`, and accelerator synchronize
 calls (torch.cuda.synchronize and DeepSpeed's accelerator's). Each optimizer step closes a window:
@@ -44,6 +44,9 @@ aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
             aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
             aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+# Operations that launch nothing on a GPU: allocations, and views (an output aliasing an input).
+NO_KERNEL_OPS = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.lift_fresh.default,
+                 aten._local_scalar_dense.default, aten.is_pinned.default, aten.set_.source_Tensor}
 INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
@@ -66,7 +69,7 @@ class StepCounter(TorchDispatchMode):
     def __init__(self, count: bool = True):
         super().__init__()
         self.count = count
-        self.ops = self.syncs = 0
+        self.ops = self.syncs = self.kernels = 0
         self.sync_names: Counter = Counter()
         self.windows: list[dict] = []
         self._last = None
@@ -74,6 +77,7 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.kernels += not (func.is_view or func in NO_KERNEL_OPS)
         if _reads_device(func, args) and id(args[0]) not in self.host_scalars:
             self._sync(str(func))
         return func(*args, **(kwargs or {}))
@@ -89,11 +93,11 @@ class StepCounter(TorchDispatchMode):
                              if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu"}
 
     def mark(self) -> None:
-        now = (self.ops, self.syncs, time.perf_counter(), Counter(self.sync_names))
+        now = (self.ops, self.syncs, time.perf_counter(), Counter(self.sync_names), self.kernels)
         if self._last is not None:
-            ops, syncs, start, names = self._last
+            ops, syncs, start, names, kernels = self._last
             self.windows.append({"ops": now[0] - ops, "syncs": now[1] - syncs, "seconds": now[2] - start,
-                                 "sync_ops": dict(now[3] - names)})
+                                 "sync_ops": dict(now[3] - names), "kernels": now[4] - kernels})
         self._last = now
 
     @contextlib.contextmanager
@@ -135,6 +139,7 @@ class StepCounter(TorchDispatchMode):
             names.update(w["sync_ops"])
         n = len(windows)
         return {"steps": n, "ops_per_step": sum(w["ops"] for w in windows) / n,
+                "kernel_ops_per_step": sum(w["kernels"] for w in windows) / n,
                 "syncs_per_step": sum(w["syncs"] for w in windows) / n,
                 "host_ms_per_step": 1e3 * statistics.mean(w["seconds"] for w in windows),
                 "sync_ops_per_step": {k: v / n for k, v in sorted(names.items())}}
@@ -255,6 +260,7 @@ def measure(corpus: str, precisions, steps: int, shape, extra=(), rows=tuple(ROW
             counted = ROWS[name](corpus, precision, steps, shape, count=True, extra=extra)
             timed = ROWS[name](corpus, precision, steps, shape, count=False, extra=extra)
             out.append({"row": name, "precision": precision, "ops_per_step": counted["ops_per_step"],
+                        "kernel_ops_per_step": counted["kernel_ops_per_step"],
                         "syncs_per_step": counted["syncs_per_step"], "sync_ops_per_step": counted["sync_ops_per_step"],
                         "host_ms_per_step": timed["host_ms_per_step"], "steps": counted["steps"]})
             print(json.dumps(out[-1]), flush=True)

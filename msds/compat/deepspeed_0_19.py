@@ -280,7 +280,7 @@ def _foreach_scaled_global_norm(optimizer, norm_type=2):
     norms = []
     for i in range(len(optimizer.bit16_groups)):
         grads = [g for g in optimizer.averaged_gradients[i] if not getattr(g, "_zero_padding", False)]
-        grads = [g.detach() for g, p in zip(grads, optimizer.params_in_partition[i])
+        grads = [g for g, p in zip(grads, optimizer.params_in_partition[i])
                  if not getattr(p, PIPE_REPLICATED, False)
                  and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0)]
         # dtype: each norm accumulated in DeepSpeed's norm dtype, no cast of each gradient launched
