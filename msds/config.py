@@ -315,6 +315,15 @@ class DataConfig:
     """BERT: sentence-order prediction pairs (ALBERT's SOP): half of the samples swap segments A and
     B, and the next-sentence head (`model.nsp_head`, required) learns which; the loss, validation
     loss included, is masked-LM plus that cross entropy."""
+    max_predictions_per_seq: int = 0
+    """BERT: at most this many masked-LM predictions per sample (NVIDIA's BERT's
+    max_predictions_per_seq), and the batch then carries their positions ([batch, this], padded
+    with position 0, which has no label), so that the head gathers a fixed number of positions:
+    static shapes, no host read of the mask's count (an accelerator's step waits for none and can be
+    captured or compiled). A sample that draws more chosen tokens keeps the ones drawn first (the
+    smallest draws), so its losses differ from the default's; with none capped the loss is the same
+    up to summation order. 0 (default) = every chosen token, selected by a boolean mask (a host sync
+    per forward). Evidence: docs/experiments/2026-12-06-host-overhead.md."""
 
 
 @dataclass

@@ -3,6 +3,7 @@ works and, where cheap, one that shows it is still needed (it fails the day the 
 needs the patch: then delete the patch). Also the package's import structure: `kernels` imports
 nothing from msds, and no module imports itself back through others."""
 import ast
+import contextlib
 import json
 import subprocess
 import sys
@@ -199,6 +200,60 @@ def test_optimizer_state_flats_are_what_adamw_keeps_state_for():
         assert [id(t) for t in flats] == [id(t) for t in ds_compat.base_optimizer(engine).state]
     finally:
         engine.destroy()
+
+
+def _zero1_clipped_run(patched: bool, precision: str, steps: int = 4):
+    """Weights, gradient norms and host reads of a ZeRO-1 engine over two Linear layers (two parameter
+    groups) whose gradients are clipped (norm well above 0.01), with or without
+    fewer_syncs_and_launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    groups = [{"params": weights, "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "gradient_clipping": 0.01, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "bf16": {"enabled": precision == "bf16", "check_grad_overflow": False}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
+                                           dist_init_required=False)
+    if patched:
+        ds_compat.fewer_syncs_and_launches(engine)
+
+    class Reads(TorchDispatchMode):
+        """Host reads of a value, but of AdamW's step counters (host tensors on a GPU too)."""
+        count, host = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default and id(args[0]) not in Reads.host
+            return func(*args, **(kwargs or {}))
+
+    norms = []
+    try:
+        g = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            x = torch.randn(2, 4, generator=g).to(engine.device, next(model.parameters()).dtype)
+            engine.backward(engine(x).float().pow(2).sum() * 100)
+            with Reads() if step else contextlib.nullcontext():   # AdamW makes its counters at step 1
+                engine.step()
+            Reads.host = {id(state["step"]) for state in ds_compat.base_optimizer(engine).state.values()}
+            norms.append(engine.get_global_grad_norm())
+        return [p.detach().float().clone() for p in model.parameters()], norms, Reads.count
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fewer_syncs_patch_keeps_deepspeeds_values(precision):
+    """The patched ZeRO-1 step gives DeepSpeed's weights and norms to the bit, with no host read of
+    the norm (DeepSpeed reads it twice a step: `is_invalid_grad_norm` in `step` and in
+    `unscale_and_clip_grads`)."""
+    ours, our_norms, our_reads = _zero1_clipped_run(True, precision)
+    theirs, their_norms, their_reads = _zero1_clipped_run(False, precision)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert [float(n) for n in our_norms] == [float(n) for n in their_norms] and float(our_norms[0]) > 0.01
+    assert their_reads >= 2 * 3 and our_reads == 0
 
 
 def test_zero_managed_parameters():

@@ -390,3 +390,30 @@ def test_default_corpus_builds_and_second_run_does_nothing(data_default_corpus):
     assert info.vocab_size == 8192 and manifest["dtype"] == "uint16"
     batches = eval_batches(out, "valid_wiki", "gpt", 128, batch_size=8, max_batches=2)
     assert [b["input_ids"].shape for b in batches] == [(8, 128), (8, 128)]
+
+
+def test_max_predictions_caps_the_chosen_tokens_and_gives_their_positions(data_bert_dir):
+    """data.max_predictions_per_seq: the same samples as the default where none draws more chosen
+    tokens than the cap; else the first-drawn `cap` of them; positions of the chosen, then 0."""
+    info = load_tokenizer_info(data_bert_dir)
+    split = open_split(data_bert_dir, "train")
+    count = len(build_samples(split, "bert", 64, seed=3, tokenizer_info=info))
+    indices, epochs = np.arange(count), np.zeros(count)
+    free = build_samples(split, "bert", 64, seed=3, tokenizer_info=info).get_batch(indices, epochs)
+    chosen = (free["labels"] != -100).sum(dim=1)
+    roomy = build_samples(split, "bert", 64, seed=3, tokenizer_info=info,
+                          max_predictions=int(chosen.max())).get_batch(indices, epochs)
+    assert all(torch.equal(free[key], roomy[key]) for key in free)
+    cap = int(chosen.float().median())
+    capped = build_samples(split, "bert", 64, seed=3, tokenizer_info=info, max_predictions=cap).get_batch(indices, epochs)
+    positions = capped["masked_positions"]
+    assert positions.shape == (count, cap)
+    kept = capped["labels"] != -100
+    assert torch.all(kept.sum(dim=1) == chosen.clamp(max=cap)) and (chosen > cap).any()
+    for row in range(count):
+        where = kept[row].nonzero().flatten()
+        assert torch.equal(positions[row, :len(where)], where) and torch.all(positions[row, len(where):] == 0)
+        # A kept label is the default's label there; a capped-out token is left as it was.
+        assert torch.equal(capped["labels"][row, where], free["labels"][row, where])
+    untouched = (free["labels"] != -100) & ~kept
+    assert torch.all(capped["input_ids"][untouched] == free["labels"][untouched])

@@ -129,6 +129,33 @@ def test_head_runs_on_the_labelled_positions(arch):
     assert 0 < labelled < ids.numel()
 
 
+def test_gathered_positions_give_the_masked_loss_and_gradients():
+    """BERT with `masked_positions` (data.max_predictions_per_seq): the head sees [batch, k] rows,
+    a fixed shape, and the loss and gradients are the boolean selection's up to summation order."""
+    cfg = make_cfg("bert", 0)
+    model = Transformer(cfg)
+    ids, extra = batch(cfg)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.25] = -100
+    labels[:, 0] = -100                                       # position 0 ([CLS]) has no label
+    k = int((labels != -100).sum(dim=1).max()) + 2
+    order = torch.argsort((labels == -100).int(), dim=1, stable=True)[:, :k]
+    positions = torch.where(labels.gather(1, order) != -100, order, 0)
+    seen = []
+    model.head.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    losses, grads = [], []
+    for kwargs in ({}, {"masked_positions": positions}):
+        model.zero_grad()
+        loss = model(ids, labels=labels, **extra, **kwargs)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert seen[1] == (ids.shape[0], k, cfg.hidden_size)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for ours, theirs in zip(grads[1], grads[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
 def test_minilm_import_export_keeps_hidden_states(tmp_path):
     from msds.model.parity import minilm_roundtrip
 

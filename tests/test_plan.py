@@ -229,3 +229,19 @@ def test_bert_prototype_recipe_plans_the_v_cycles_benchmarks_measured(tmp_path):
         assert [p.warmup_steps for p in plan.phases] == warmups, name
         assert [p.peak_lr for p in plan.phases] == [1e-3, 4e-3, 1e-3], name
         assert plan.config.multilevel.alpha == alpha, name
+
+
+@pytest.mark.parametrize("overrides", [["data.max_predictions_per_seq=30"], ["data.max_predictions_per_seq=4",
+                                                                             "parallel.pipeline=2"]])
+def test_max_predictions_needs_bert_without_a_pipeline_and_room(overrides):
+    cfg = load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", overrides)
+    with pytest.raises(ConfigError, match=r"^data\.max_predictions_per_seq: .* within 1\.\.29, or 0"):
+        build_plan(cfg, world_size=2)
+
+
+def test_fused_adamw_is_chosen_where_the_engine_is_built():
+    """ds_configs' "fused": "auto" becomes true on CUDA only (the CPU results use the default AdamW)."""
+    import torch
+
+    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", []))
+    assert plan.ds_config(plan.phases[0])["optimizer"]["params"]["fused"] is torch.cuda.is_available()

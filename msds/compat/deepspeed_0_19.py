@@ -224,3 +224,85 @@ def checkpoint_writes_recorded(engine):
         yield written
     finally:
         del checkpoint_engine.save          # the class's method shows through again
+
+
+def fewer_syncs_and_launches(engine) -> None:
+    """Three patches of a ZeRO-1/2 engine's optimizer (not under fp16, nor with CPU offload or MoE):
+    its gradient norm read by no host, as fewer operations, and the model's views of the flat weight
+    buffer re-pointed only when they moved. The same values as DeepSpeed's.
+
+    - `scaled_global_norm`: each group's norm from `torch._foreach_norm` over its gradients (one
+      launch where DeepSpeed makes three per gradient), summed, all-reduced and combined as DeepSpeed
+      does (an invalid norm becomes inf, on the device).
+    - the invalid-norm test: DeepSpeed's `step` and `unscale_and_clip_grads` read the norm on the host
+      (`is_invalid_grad_norm`: a sync per step each, in fp32 and in bf16 whatever
+      `check_grad_overflow` says). For the norm of the first patch they do not: clipping by an inf norm
+      is what DeepSpeed does after reading it, and a step on non-finite gradients is skipped by msds's
+      loop, which reads the loss's finiteness (the one read per step it makes anyway). fp16 keeps
+      DeepSpeed's test: its loss scaler needs the overflow flag.
+    - `_update_model_bit16_weights` (re-points every parameter at its slice of the flat buffer after
+      each step, four operations per parameter, marked "we probably don't need this?" in DeepSpeed):
+      skipped when every parameter already is that slice, as after each step.
+
+    Why: issue 59; benchmarks/host_overhead.py counts the operations and syncs per step with and
+    without. Remove when DeepSpeed norms over foreach or the flat buffer and reads no value;
+    tests/test_compat.py::test_fewer_syncs_patch_keeps_deepspeeds_values checks the values."""
+    from deepspeed.runtime.zero import stage_1_and_2 as zero
+
+    optimizer = engine.optimizer
+    if (not isinstance(optimizer, zero.DeepSpeedZeroOptimizer) or optimizer.dtype == torch.float16
+            or optimizer.cpu_offload or optimizer.has_moe_layers):
+        return
+    _install_unread_norm_test(zero)
+    optimizer.scaled_global_norm = lambda norm_type=2: _foreach_scaled_global_norm(optimizer, norm_type)
+    update = optimizer._update_model_bit16_weights
+    optimizer._update_model_bit16_weights = lambda group: None if _views_in_place(optimizer, group) else update(group)
+
+
+def _install_unread_norm_test(zero) -> None:
+    if getattr(zero.is_invalid_grad_norm, "msds_patched", False):
+        return
+    original = zero.is_invalid_grad_norm
+
+    def is_invalid_grad_norm(norm):
+        return False if getattr(norm, "msds_unread", False) else original(norm)
+
+    is_invalid_grad_norm.msds_patched = True
+    zero.is_invalid_grad_norm = is_invalid_grad_norm
+
+
+def _foreach_scaled_global_norm(optimizer, norm_type=2):
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import combine_grad_norm_groups, is_model_parallel_parameter
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    assert norm_type == 2, "only L2 norm supported"
+    norms = []
+    for i in range(len(optimizer.bit16_groups)):
+        grads = [g for g in optimizer.averaged_gradients[i] if not getattr(g, "_zero_padding", False)]
+        grads = [g for g, p in zip(grads, optimizer.params_in_partition[i])
+                 if not getattr(p, PIPE_REPLICATED, False)
+                 and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0)]
+        # dtype: each norm accumulated in DeepSpeed's norm dtype, no cast of each gradient launched
+        total = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=get_norm_dtype())).pow(norm_type).sum().float()
+                 if grads
+                 else torch.zeros((), dtype=torch.float32, device=optimizer.device))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        norms.append(total.pow(1.0 / norm_type))
+    norm = combine_grad_norm_groups(norms, norm_type=norm_type)
+    norm.msds_unread = True
+    return norm
+
+
+def _views_in_place(optimizer, group: int) -> bool:
+    """Whether every parameter of `group` already is its slice of the flat buffer (host pointers only)."""
+    flat = optimizer.bit16_groups_flat[group]
+    base, size = flat.data_ptr(), flat.element_size()
+    slices = zip(optimizer.round_robin_bit16_groups[group], optimizer.round_robin_bit16_meta[group],
+                 optimizer.round_robin_bit16_offsets[group])
+    if not all(p.data_ptr() == base + offset * size and p.shape == meta.shape for p, meta, offset in slices):
+        return False
+    order = optimizer.round_robin_bit16_indices[group]
+    robin = optimizer.round_robin_bit16_groups[group]
+    return all(p.data_ptr() == robin[order[k]].data_ptr() for k, p in enumerate(optimizer.bit16_groups[group]))

@@ -35,6 +35,7 @@ class DataSpec:
     tokenizer: str = ""
     split: str = "969,30,1"
     sentence_order: bool = False
+    max_predictions_per_seq: int = 0
 
     @classmethod
     def of(cls, data) -> "DataSpec":
@@ -42,7 +43,7 @@ class DataSpec:
         if isinstance(data, (str, Path)):
             return cls(((1.0, str(data)),))
         entries = tuple((float(w), str(p)) for w, p in data.blend) if data.blend else ((1.0, data.path),)
-        return cls(entries, data.tokenizer, data.split, data.sentence_order)
+        return cls(entries, data.tokenizer, data.split, data.sentence_order, data.max_predictions_per_seq)
 
     def where(self, number: int) -> str:
         """The config field that names dataset `number`."""

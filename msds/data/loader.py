@@ -55,7 +55,7 @@ def _split_samples(spec: DataSpec, split: str, arch: str, seq_len: int, seed: in
     """Each dataset's samples of `split`; a blend's dataset d uses seed + d."""
     info = tokenizer_info(spec)
     return [build_samples(open_dataset(spec, number, split), arch, seq_len, seed + number, info,
-                          spec.sentence_order) for number in range(len(spec.entries))]
+                          spec.sentence_order, spec.max_predictions_per_seq) for number in range(len(spec.entries))]
 
 
 def train_batches(data, arch: str, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int,

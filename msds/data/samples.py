@@ -68,6 +68,8 @@ class Samples:
     seed: int
     tokenizer_info: TokenizerInfo
     sentence_order: bool = False
+    max_predictions: int = 0
+    """> 0: at most this many chosen tokens per sample, their positions in `masked_positions`."""
 
     @property
     def stride(self) -> int:
@@ -127,6 +129,8 @@ class Samples:
         # A sample with no chosen token would have no loss: choose its most likely candidate.
         nothing = ~chosen.any(axis=1) & candidate.any(axis=1)
         chosen[nothing, draw[nothing].argmin(axis=1)] = True
+        if self.max_predictions:
+            chosen &= np.argsort(np.argsort(draw, axis=1, kind="stable"), axis=1) < self.max_predictions
 
         labels = np.where(chosen, input_ids, IGNORE_INDEX)
         action = uniform(self.seed, epochs, indices, length, _ACTION)
@@ -139,11 +143,19 @@ class Samples:
                  "labels": torch.from_numpy(labels)}
         if self.sentence_order:
             batch["next_sentence_labels"] = torch.from_numpy(swapped.astype(np.int64))
+        if self.max_predictions:
+            batch["masked_positions"] = torch.from_numpy(_positions(chosen, self.max_predictions))
         return batch
 
 
+def _positions(chosen: np.ndarray, count: int) -> np.ndarray:
+    """[batch, count]: each row's chosen positions in order, then 0 ([CLS], never chosen)."""
+    order = np.argsort(~chosen, axis=1, kind="stable")[:, :count]
+    return np.where(np.take_along_axis(chosen, order, axis=1), order, 0)
+
+
 def build_samples(dataset: TokenDataset, arch: str, seq_len: int, seed: int,
-                  tokenizer_info: TokenizerInfo, sentence_order: bool = False) -> Samples:
+                  tokenizer_info: TokenizerInfo, sentence_order: bool = False, max_predictions: int = 0) -> Samples:
     """GPT windows or BERT masked-LM samples (with sentence-order pairs when `sentence_order`) over
     `dataset`; MsdsError when they cannot be built."""
     if arch not in ("bert", "gpt"):
@@ -158,7 +170,10 @@ def build_samples(dataset: TokenDataset, arch: str, seq_len: int, seed: int,
                             f"prepare it with --tokenizer bert, wordpiece-N or bpe-N")
     if sentence_order and arch != "bert":
         raise MsdsError("sentence_order: sentence-order pairs exist for BERT samples only")
-    samples = Samples(dataset, arch, seq_len, seed, tokenizer_info, sentence_order)
+    if max_predictions and arch != "bert":
+        raise MsdsError("data.max_predictions_per_seq: masked-LM predictions exist for BERT samples only; set it to 0")
+    samples = Samples(dataset, arch, seq_len, seed, tokenizer_info, sentence_order,
+                      max_predictions if arch == "bert" else 0)
     if len(samples) == 0:
         raise MsdsError(f"split {dataset.split} has {dataset.num_tokens} tokens, too few for one "
                         f"{arch} sample of seq_len {seq_len}; use a shorter seq_len or a larger corpus")

@@ -314,16 +314,22 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, keep_tokens=None,
-                next_sentence_labels=None, sentence_order_logits=False):
+                next_sentence_labels=None, sentence_order_logits=False, masked_positions=None):
         """The loss with `labels`, else the LM logits of every position. With labels, BERT's head runs
-        on the labelled (masked) positions only (`labeled_positions`). With `next_sentence_labels`
+        on the labelled (masked) positions only (`labeled_positions`, or with `masked_positions`, a fixed
+        number per sample: `gathered_positions`). With `next_sentence_labels`
         (sentence-order pairs), the loss adds the next-sentence head's cross entropy to the masked-LM
         loss, as BERT's pretraining loss does; with `sentence_order_logits` as well, (loss, the head's
         [batch, 2] logits: 0 in order, 1 swapped), so that an evaluation scores both in one pass."""
         h = self.hidden_states(input_ids, token_type_ids, attention_mask, keep_tokens)
         if labels is None:
             return self.head(h, self.embeddings.word.weight)
-        predicted, predicted_labels = labeled_positions(h, labels) if self.cfg.arch == "bert" else (h, labels)
+        if self.cfg.arch != "bert":
+            predicted, predicted_labels = h, labels
+        elif masked_positions is not None:
+            predicted, predicted_labels = gathered_positions(h, labels, masked_positions)
+        else:
+            predicted, predicted_labels = labeled_positions(h, labels)
         loss = self.head(predicted, self.embeddings.word.weight, predicted_labels)
         if next_sentence_labels is not None:
             order_logits = self.head.next_sentence_logits(h).float()
@@ -342,6 +348,15 @@ def labeled_positions(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     (msds.plan.schedule.flops_per_sample), as for the dense model."""
     chosen = labels != IGNORE_INDEX
     return h[chosen], labels[chosen]
+
+
+def gathered_positions(h: torch.Tensor, labels: torch.Tensor,
+                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`labeled_positions` with a fixed count: the hidden states and labels at `positions` ([batch,
+    k], data.max_predictions_per_seq; the padding points at position 0, whose label is IGNORE_INDEX):
+    [batch, k, width] and [batch, k], shapes known before the step, no host read."""
+    index = positions.unsqueeze(-1).expand(-1, -1, h.shape[-1])
+    return h.gather(1, index), labels.gather(1, positions)
 
 
 def token_loss(vocab_parallel_logits, labels):

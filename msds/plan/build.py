@@ -134,7 +134,15 @@ class RunPlan:
         """A fresh DeepSpeed config for the engine of `phase` (the optimizer's lr is its peak; the
         plan's curve scales it every step)."""
         ds = json.loads(self.ds_template)
-        ds["optimizer"]["params"]["lr"] = phase.peak_lr
+        params = ds["optimizer"]["params"]
+        params["lr"] = phase.peak_lr
+        if params.get("fused") == "auto":
+            # torch's fused AdamW (one kernel per step, not some nine passes over the state) where the
+            # engine is built: on CUDA. Elsewhere the default AdamW, whose CPU arithmetic the committed
+            # CPU results were trained with (ds_configs/README.md).
+            from deepspeed.accelerator import get_accelerator
+
+            params["fused"] = get_accelerator().device_name() == "cuda"
         return ds
 
 
@@ -210,6 +218,11 @@ def _check_data(cfg: RunConfig) -> None:
         if cfg.parallel.pipeline > 1:
             raise ConfigError("data.sentence_order: the pipeline's last stage computes the masked-LM loss "
                               "only; set parallel.pipeline=1 or data.sentence_order=false")
+    k = cfg.data.max_predictions_per_seq
+    if k and not (cfg.model.arch == "bert" and cfg.parallel.pipeline == 1 and 0 < k <= cfg.data.seq_len - 3):
+        raise ConfigError(f"data.max_predictions_per_seq: {k} needs a BERT model without a pipeline and at most "
+                          f"data.seq_len - 3 = {cfg.data.seq_len - 3} predictions; set it within 1.."
+                          f"{cfg.data.seq_len - 3}, or 0 (every chosen token)")
 
 
 def _check_fields(cfg: RunConfig) -> None:

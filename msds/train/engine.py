@@ -62,6 +62,7 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
         model=model, model_parameters=parameter_groups(model, plan.config.optimizer.weight_decay),
         config=ds_config, dist_init_required=False, mpu=None if pipelined else DeepSpeedMPU,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_curve(s)))
+    ds_compat.fewer_syncs_and_launches(engine)
     return engine
 
 
@@ -135,7 +136,13 @@ def evaluate(engine, batches: list[dict]) -> Evaluation:
 
 def on_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """A loader batch (host tensors) on the engine's device; DeepSpeed's engine does not move inputs
-    (its pipeline engine does, for the micro-batches it loads)."""
+    (its pipeline engine does, for the micro-batches it loads). An attention mask that masks nothing
+    (msds's samples are never padded) is left out: attention without a mask may take a fused kernel
+    that a mask rules out (flash attention), and the outputs are the same. Read on the host, before
+    the copy (`numpy()`: host memory only), so it costs the device no sync."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.device.type == "cpu" and mask.numpy().all():
+        batch = {key: value for key, value in batch.items() if key != "attention_mask"}
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 

@@ -10,7 +10,8 @@ METRICS_FILE = "metrics.jsonl"
 
 class MetricsLogger:
     """Every event goes to metrics.jsonl as one JSON object with an `event` field: `step`, `eval`,
-    `transition`, `checkpoint`, `resume`. Steps are printed every `interval` steps."""
+    `transition`, `checkpoint`, `resume`. Steps are printed, and written to TensorBoard, every
+    `interval` steps (metrics.jsonl gets every step: reports read each step's loss)."""
 
     def __init__(self, run_dir: Path, enabled: bool, interval: int, total_steps: int, tensorboard: bool):
         self.enabled, self.interval, self.total_steps = enabled, interval, total_steps
@@ -34,13 +35,14 @@ class MetricsLogger:
             return
         self._write({"event": "step", **record})
         step = record["step"]
+        if step % self.interval and step != self.total_steps:
+            return
         if self.writer:
             for key in ("loss", "lr", "level", "tokens_per_s", "flops", "train_seconds"):
                 self.writer.add_scalar(f"train/{key}", record[key], step)
-        if step % self.interval == 0 or step == self.total_steps:
-            print(f"step {step:>6}/{self.total_steps} | level {record['level']} | loss {record['loss']:.4f} "
-                  f"| lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | {record['flops']:.3e} FLOPs "
-                  f"| {record['train_seconds']:.1f} s", flush=True)
+        print(f"step {step:>6}/{self.total_steps} | level {record['level']} | loss {record['loss']:.4f} "
+              f"| lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | {record['flops']:.3e} FLOPs "
+              f"| {record['train_seconds']:.1f} s", flush=True)
 
     def eval(self, record: dict) -> None:
         if not self.enabled:
