@@ -31,6 +31,7 @@ import torch.distributed as dist
 from msds.errors import MsdsError
 from msds.integrity import sha256_file
 from msds.model.roles import tensor_parallel_dim
+from msds.train import faults
 
 COMPLETE = "COMPLETE"
 
@@ -58,6 +59,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep:
     rank = dist.get_rank()
     with checkpoint_writes_recorded(engine) as written:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    faults.point("checkpoint-between-files")
     msds_dir = tag_dir / "msds"
     msds_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, msds_dir / f"rank{rank}.pt")
@@ -70,6 +72,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep:
     mine = _file_records(tag_dir, written)
     parts = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)     # returns on rank 0 once every rank has written and hashed
+    faults.point("checkpoint-before-complete")
     if rank == 0:
         manifest = {rel: record for part in parts for rel, record in part.items()}
         unreported = [p for p in tag_dir.rglob("*") if p.is_file() and p.name != COMPLETE
