@@ -140,6 +140,7 @@ class Trainer:
         state = checkpointing.read_state(self.ckpt_dir, tag)
         same_layout = relayout.check_resume(state, self.plan, self.ckpt_dir / tag)
         self.state = TrainState(**state["train"])
+        self.saved_at_step = self.state.step   # a checkpoint of this step exists: never rewritten in place
         self.transitions = state["transitions"]
         if same_layout:
             engine = build_engine(self.plan, self.phase, None)
