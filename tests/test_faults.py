@@ -8,10 +8,15 @@ msds.cli train` launches of the same command, each stopped by the next fault, th
 finishing (about a minute and a half on 2 cores)."""
 from __future__ import annotations
 
-import math
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +172,137 @@ def test_disk_full_while_checkpointing_stops_cleanly_and_resumes(train_corpus, t
     assert summary.state.step == 6
     again = losses(tmp_path / "run")
     assert {step: again[step] for step in first} == first
+
+
+# -- killed and hung ranks: one chain of two-process launches -----------------------------------
+
+# A V-cycle of 12 steps (phases of 2, 2, 4, 2, 2: down transitions after steps 2 and 4, up after 8
+# and 10), ZeRO 2 with the recipe's dropout, checkpoints every 2 steps and at transitions.
+CHAIN = ["multilevel.phase_steps=[2,2,4,2,2]", "logging.eval_batches=1", "logging.eval_interval=1000",
+         "training.zero_stage=2", "checkpoint.interval=2", "checkpoint.at_transitions=true",
+         f"training.hang_timeout_s={(HANG_TIMEOUT := 30)}"]
+# Each launch after the first is the same `msds train` command; MSDS_FAULT alone differs. What each
+# one does, with the checkpoint it resumes from (the newest complete one) and the faults it meets:
+LINKS = {
+    # the reference, then: steps 1-2, checkpoint 2, rank 1 killed in the down transition 1 -> 2
+    "down": "inside-down-transition:1:1",
+    # from 2: steps 3-4, rank 0 killed between DeepSpeed's files and msds's of checkpoint 4
+    "between-files": "checkpoint-between-files:0:1",
+    # from 2 (4 unfinished): checkpoint 4, steps 5-6, both ranks killed before checkpoint 6's COMPLETE
+    "before-complete": "checkpoint-before-complete::2",
+    # from 4 (6 unmarked): steps 5-8, checkpoint 8, rank 0 killed in the up transition 3 -> 2
+    "up": "inside-up-transition:0:1",
+    # from 8: step 9, then rank 1 hangs before step 10; every rank's watchdog ends it
+    "hang": "hang-before-step:1:2",
+    # from 8: to the end
+    "end": "",
+}
+# How long the launcher may take to end the job once a rank is killed (it ends the others).
+KILL_BOUND_S = 60
+# The chain's six launches take about 2 minutes on 2 idle cores; on a loaded machine far more.
+chain_timeout = pytest.mark.timeout(2400)
+
+
+class Launch:
+    """One torchrun launch, its output read as it comes: the exit status, the output, and the
+    seconds from the fault point's line to the launcher's exit."""
+
+    def __init__(self, command: list[str], spec: str, timeout: float = 600):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", faults.ENV: spec}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        killer.start()
+        lines, fault_at = [], None
+        for line in proc.stdout:
+            lines.append(line)
+            if fault_at is None and f"{faults.ENV}: " in line:
+                fault_at = time.monotonic()
+        self.returncode = proc.wait()
+        killer.cancel()
+        self.seconds_after_fault = None if fault_at is None else time.monotonic() - fault_at
+        self.output = "".join(lines)
+
+    def resumed_from(self) -> int | None:
+        found = re.search(r"resumed from \S+ at step (\d+)", self.output)
+        return int(found.group(1)) if found else None
+
+
+@pytest.fixture(scope="module")
+def chain(train_corpus, tmp_path_factory) -> tuple[Path, dict[str, Launch]]:
+    work = tmp_path_factory.mktemp("faults")
+    (work / "overrides.json").write_text(json.dumps(CHAIN))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    first = [*torchrun, str(REPO / "tests" / "dist" / "train_checks.py"), "faults", str(train_corpus), str(work), "-"]
+    same_command = [*torchrun, "-m", "msds.cli", "train", "--config", str(RECIPE), f"data.path={train_corpus}",
+                    f"run_dir={work / 'chain'}", "logging.tensorboard=false", *CHAIN]
+    launches = {}
+    for name, spec in LINKS.items():
+        launches[name] = Launch(first if not launches else same_command, spec)
+        print(f"{name}: exit {launches[name].returncode}")
+    return work, launches
+
+
+def assert_killed(launch: Launch, place: str) -> None:
+    assert launch.returncode != 0, launch.output[-3000:]
+    assert f"{faults.ENV}: {place}" in launch.output
+    assert "Signal 9 (SIGKILL)" in launch.output or "exitcode  : -9" in launch.output, launch.output[-3000:]
+    assert launch.seconds_after_fault < KILL_BOUND_S, launch.seconds_after_fault
+
+
+@chain_timeout
+def test_rank_killed_inside_a_down_transition(chain):
+    _, launches = chain
+    assert_killed(launches["down"], "inside-down-transition")
+    assert launches["between-files"].resumed_from() == 2
+
+
+@chain_timeout
+def test_rank_killed_between_the_files_of_a_checkpoint(chain):
+    _, launches = chain
+    assert_killed(launches["between-files"], "checkpoint-between-files")
+    after = launches["before-complete"]
+    assert "step00000004 skipped: not marked complete (a save was interrupted)" in after.output
+    assert after.resumed_from() == 2
+
+
+@chain_timeout
+def test_job_killed_before_a_checkpoint_is_marked_complete(chain):
+    _, launches = chain
+    assert_killed(launches["before-complete"], "checkpoint-before-complete")
+    assert launches["before-complete"].output.count(f"{faults.ENV}: checkpoint-before-complete") == 2  # both ranks
+    after = launches["up"]
+    assert "step00000006 skipped: not marked complete (a save was interrupted)" in after.output
+    assert after.resumed_from() == 4
+
+
+@chain_timeout
+def test_rank_killed_inside_an_up_transition(chain):
+    _, launches = chain
+    assert_killed(launches["up"], "inside-up-transition")
+    assert launches["hang"].resumed_from() == 8
+
+
+@chain_timeout
+def test_hung_rank_ends_the_job_with_every_stack(chain):
+    _, launches = chain
+    hang = launches["hang"]
+    assert hang.returncode != 0, hang.output[-3000:]
+    # Both ranks' watchdogs fired: rank 1 asleep in the fault point, rank 0 waiting for it in the
+    # step's all-reduce.
+    assert hang.output.count(f"Timeout (0:00:{HANG_TIMEOUT})!") == 2, hang.output[-5000:]
+    assert re.search(r'File ".*msds/train/faults\.py", line \d+ in point', hang.output)
+    assert re.search(r'File ".*msds/train/guards\.py", line \d+ in check', hang.output)
+    assert hang.seconds_after_fault < HANG_TIMEOUT + KILL_BOUND_S, hang.seconds_after_fault
+    assert launches["end"].resumed_from() == 8
+
+
+@chain_timeout
+def test_the_chain_ends_with_the_uninterrupted_losses(chain):
+    work, launches = chain
+    assert launches["end"].returncode == 0, launches["end"].output[-3000:]
+    assert sorted(losses(work / "chain")) == list(range(1, 13))
+    assert losses(work / "chain") == losses(work / "reference")
+    final = [read_metrics(work / run, "eval")[-1]["val_loss"] for run in ("chain", "reference")]
+    assert final[0] == final[1]
+    assert [r["step"] for r in read_metrics(work / "chain", "resume")] == [2, 2, 4, 8, 8]
