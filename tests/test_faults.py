@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -208,11 +207,10 @@ class Launch:
     """One torchrun launch, its output read as it comes (and kept in `log`): the exit status, the
     output, and the seconds from the fault point's line to the launcher's exit."""
 
-    def __init__(self, command: list[str], spec: str, log: Path, timeout: float = 600):
+    def __init__(self, command: list[str], spec: str, log: Path, timeout: float = 900):
         env = {**os.environ, "OMP_NUM_THREADS": "1", faults.ENV: spec}
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        killer = threading.Timer(timeout, proc.terminate)   # torchrun ends its workers on SIGTERM
         killer.start()
         lines, fault_at = [], None
         for line in proc.stdout:
