@@ -373,6 +373,23 @@ class TrainingConfig:
     exit_signal: str = "SIGUSR1"
     """On this signal (e.g. Slurm's `--signal=USR1@120` before the time limit) every rank finishes
     its step, the run checkpoints and exits cleanly; `resume: auto` continues it. Empty = off."""
+    max_bad_steps: int = 5
+    """A step whose loss (averaged over data-parallel replicas) is NaN or infinite, or a spike (see
+    `spike_factor`), is skipped: no update of the weights or Adam's moments, a `bad_step` record in
+    metrics.jsonl (msds.train.guards). After this many bad steps in a row the run checkpoints and
+    stops with an error. 0 = no checks: every step is applied. Pipelines detect and count bad steps
+    but cannot skip them (docs/cluster.md, "Faults and what they cost")."""
+    spike_factor: float = 0.0
+    """A step whose loss exceeds this multiple of the mean loss of the last `spike_window` applied
+    steps is a bad step (see `max_bad_steps`); more than 1, or 0 = off."""
+    spike_window: int = 20
+    """How many recent applied steps' losses `spike_factor` compares with; spikes are checked once
+    that many steps have run."""
+    hang_timeout_s: float = 1800.0
+    """If no training step completes within this many seconds (start-up, evaluations, transitions
+    and checkpoint writes included), every rank writes the stack of each of its threads to stderr
+    and exits with status 1, so the job fails instead of hanging (docs/cluster.md, "Faults and what
+    they cost"). 0 = off."""
 
 
 @dataclass

@@ -226,6 +226,17 @@ def _error(capsys, *argv) -> str:
     return capsys.readouterr().err
 
 
+def test_a_task_that_scores_a_missing_head_is_refused(tmp_path, capsys):
+    """all-MiniLM-L6-v2 has no cls.* tensors: its pseudo-perplexity would be a random head's; the
+    fine-tuning tasks, which bring their own head, run on it (the test above)."""
+    err = _error(capsys, "--model", str(MINILM), "--tasks", "spam,heldout-ppl", "--out", str(tmp_path / "o.json"))
+    assert err.count("\n") == 1, err
+    assert "task 'heldout-ppl' scores the model's language-model head, which the checkpoint lacks " \
+           "(cls.predictions.bias, cls.predictions.transform.LayerNorm.bias, cls.predictions.transform.LayerNorm.weight, " \
+           "cls.predictions.transform.dense.bias, cls.predictions.transform.dense.weight)" in err
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_bad_input_is_one_clear_error_before_any_work(tmp_path, capsys, train_corpus, tiny_models):
     gpt, _ = tiny_models["gpt"]
     out = tmp_path / "out.json"

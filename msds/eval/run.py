@@ -70,11 +70,14 @@ class Task:
     archs: tuple[str, ...]
     metric: str
     higher_is_better: bool
+    scores_lm_head: bool = False
+    """Whether the task scores the model's own language-model head (the fine-tuning tasks bring
+    their own classifier)."""
 
 
 TASKS = {
-    "heldout-ppl": Task(("gpt", "bert"), "perplexity", False),
-    "cloze": Task(("gpt",), "accuracy", True),
+    "heldout-ppl": Task(("gpt", "bert"), "perplexity", False, scores_lm_head=True),
+    "cloze": Task(("gpt",), "accuracy", True, scores_lm_head=True),
     "spam": Task(("bert",), "accuracy", True),
     "sotu": Task(("bert",), "accuracy", True),
     "sop": Task(("bert",), "accuracy", True),
@@ -103,9 +106,16 @@ def check_settings(settings: EvalSettings, path: str = "") -> None:
         raise MsdsError(f"{_name(path, 'seeds')}: expected distinct seeds, got {settings.seeds}")
 
 
-def check_tasks_fit(tasks: list[str], cfg: ModelConfig, where: str) -> None:
+def check_tasks_fit(tasks: list[str], cfg: ModelConfig, where: str, untrained: list[str] = ()) -> None:
+    """Each task fits the model: its architecture, and the heads it scores, which must not be among
+    `untrained` (tensors the checkpoint lacked, initialised on loading)."""
     arch = cfg.arch
     for task in tasks:
+        if TASKS[task].scores_lm_head and untrained:
+            raise MsdsError(f"{where}: task {task!r} scores the model's language-model head, which the checkpoint "
+                            f"lacks ({', '.join(untrained)}): a randomly initialised one would be scored; give a "
+                            f"checkpoint with its pretraining head (e.g. BertForPreTraining, BertForMaskedLM), or "
+                            f"only fine-tuning tasks ({', '.join(t for t, s in TASKS.items() if not s.scores_lm_head)})")
         if arch not in TASKS[task].archs:
             fitting = [t for t, spec in TASKS.items() if arch in spec.archs]
             raise MsdsError(f"{where}: task {task!r} needs a {' or '.join(a.upper() for a in TASKS[task].archs)} "
@@ -124,6 +134,8 @@ class EvalModel:
     cfg: ModelConfig
     tensors: dict[str, torch.Tensor]
     record: dict
+    untrained: list[str] = field(default_factory=list)
+    """Tensors the checkpoint lacked (a Hugging Face BERT without its MLM head), initialised on loading."""
 
 
 def load_eval_model(model_dir: str | Path) -> EvalModel:
@@ -137,14 +149,14 @@ def load_eval_model(model_dir: str | Path) -> EvalModel:
         return EvalModel(cfg, tensors, {"path": str(path), "format": "msds", "sha256": sha256_file(weights),
                                         "notes": []})
     if (path / "config.json").is_file():
-        notes = []
+        notes, untrained = [], []
         try:
-            cfg, tensors = read_hf(path, report=notes.append)
+            cfg, tensors = read_hf(path, report=notes.append, initialised=untrained)
         except MsdsError:
             raise
         except Exception as exc:  # json and safetensors report damaged files with many types
             raise MsdsError(f"{path}: cannot be read ({exc}); a file is truncated or corrupt") from exc
-        return EvalModel(cfg, tensors, {"path": str(path), "format": "huggingface", "notes": notes})
+        return EvalModel(cfg, tensors, {"path": str(path), "format": "huggingface", "notes": notes}, untrained)
     raise MsdsError(f"--model {path}: neither an msds model checkpoint (config.yaml + model.safetensors, "
                     f"what `msds train` writes to <run_dir>/model) nor a Hugging Face directory (config.json)")
 
@@ -306,7 +318,7 @@ def evaluate(model_dir: str | Path, settings: EvalSettings, tokenizer_path: str 
     check_settings(settings)
     model = load_eval_model(model_dir)
     cfg = model.cfg
-    check_tasks_fit(settings.tasks, cfg, "--tasks")
+    check_tasks_fit(settings.tasks, cfg, "--tasks", model.untrained)
     tokenizer, tokenizer_record = load_tokenizer(tokenizer_path, model_dir)
     info = TokenizerInfo.of(tokenizer)
     if info.vocab_size > cfg.vocab_size:

@@ -250,9 +250,11 @@ def _read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     raise MsdsError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-def read_hf(src_dir: str | Path, *, report=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_hf(src_dir: str | Path, *, report=None,
+            initialised: list[str] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(msds config, msds tensors) from a local HF directory. A BERT without an MLM head (e.g.
-    `BertModel`) gets a freshly initialised one; `report` (a callable) hears about it."""
+    `BertModel`) gets a freshly initialised one; `report` (a callable) hears about it, and
+    `initialised` (a list), when given, receives the Hugging Face names of the tensors it lacked."""
     src = Path(src_dir)
     if not (src / "config.json").is_file():
         raise MsdsError(f"{src}: not a Hugging Face model directory (no config.json)")
@@ -265,6 +267,8 @@ def read_hf(src_dir: str | Path, *, report=None) -> tuple[ModelConfig, dict[str,
     if cfg.arch == "bert" and "head.transform.weight" not in tensors:
         fresh = _fresh_bert_head(cfg)
         tensors.update(fresh)
+        if initialised is not None:
+            initialised.extend(sorted(_BERT_HEAD[name] for name in fresh))
         if report:
             report(f"{src}: no MLM head in the checkpoint; initialised {', '.join(sorted(fresh))}")
     if unused and report:

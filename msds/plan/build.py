@@ -245,6 +245,20 @@ def _check_fields(cfg: RunConfig) -> None:
     if name and not (name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)):
         raise ConfigError(f"training.exit_signal: {name!r} is not a signal name (e.g. SIGUSR1, SIGTERM); "
                           f"empty turns it off")
+    _check_guards(cfg.training)
+
+
+def _check_guards(training) -> None:
+    """The bad-step and hang guards' fields (msds.train.guards)."""
+    at_least_zero = {"training.max_bad_steps": training.max_bad_steps, "training.hang_timeout_s": training.hang_timeout_s}
+    for name, value in at_least_zero.items():
+        if value < 0:
+            raise ConfigError(f"{name}: must be 0 (off) or more, got {value}")
+    if training.spike_factor and training.spike_factor <= 1:
+        raise ConfigError(f"training.spike_factor: {training.spike_factor} would flag ordinary steps; give a "
+                          f"multiple above 1 of the recent mean loss, or 0 to turn spike checks off")
+    if training.spike_window < 1:
+        raise ConfigError(f"training.spike_window: must be positive, got {training.spike_window}")
 
 
 def _check_parallel_options(cfg: RunConfig) -> None:

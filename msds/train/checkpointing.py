@@ -16,6 +16,8 @@ elsewhere must not be able to run code when it is loaded.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pickle
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from msds.errors import MsdsError
 from msds.integrity import sha256_file
 from msds.model.roles import tensor_parallel_dim
+from msds.train import faults
 
 COMPLETE = "COMPLETE"
 
@@ -56,31 +59,61 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank_state: dict, keep:
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     rank = dist.get_rank()
-    with checkpoint_writes_recorded(engine) as written:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    msds_dir = tag_dir / "msds"
-    msds_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rank_state, msds_dir / f"rank{rank}.pt")
-    written.append(msds_dir / f"rank{rank}.pt")
-    if extra is not None:
-        written.extend(extra(tag_dir))
-    if rank == 0:
-        (msds_dir / "state.json").write_text(json.dumps(state, indent=1))
-        written.append(msds_dir / "state.json")
+    if rank == 0:   # rewritten at the same step (e.g. after a resume), a checkpoint is complete only once marked again
+        (tag_dir / "msds" / COMPLETE).unlink(missing_ok=True)
+    with _space_checked(ckpt_dir, tag_dir):
+        with checkpoint_writes_recorded(engine) as written:
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        faults.point("checkpoint-between-files")
+        msds_dir = tag_dir / "msds"
+        msds_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(rank_state, msds_dir / f"rank{rank}.pt")
+        written.append(msds_dir / f"rank{rank}.pt")
+        if extra is not None:
+            written.extend(extra(tag_dir))
+        if rank == 0:
+            (msds_dir / "state.json").write_text(json.dumps(state, indent=1))
+            written.append(msds_dir / "state.json")
     mine = _file_records(tag_dir, written)
     parts = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)     # returns on rank 0 once every rank has written and hashed
+    faults.point("checkpoint-before-complete")
     if rank == 0:
         manifest = {rel: record for part in parts for rel, record in part.items()}
         unreported = [p for p in tag_dir.rglob("*") if p.is_file() and p.name != COMPLETE
                       and str(p.relative_to(tag_dir)) not in manifest]
         manifest.update(_file_records(tag_dir, unreported))
         files = dict(sorted(manifest.items()))
-        _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": files}))
-        _atomic_write(ckpt_dir / "latest", tag)
+        with _space_checked(ckpt_dir, tag_dir):
+            _atomic_write(msds_dir / COMPLETE, json.dumps({"world_size": dist.get_world_size(), "files": files}))
+            _atomic_write(ckpt_dir / "latest", tag)
         _prune(ckpt_dir, keep)
     dist.barrier()
     return tag
+
+
+# Free space below which a failed write is taken for a full disk: torch.save reports one as an
+# opaque RuntimeError ("unexpected pos ..."), not as ENOSPC.
+NEARLY_FULL_BYTES = 16 * 2**20
+
+
+@contextlib.contextmanager
+def _space_checked(ckpt_dir: Path, tag_dir: Path):
+    """A write of checkpoint `tag_dir` that fails for want of space: the unfinished checkpoint is
+    removed (it would never be resumed) and one MsdsError says what is left and what to do."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        free = shutil.disk_usage(ckpt_dir).free
+        if getattr(exc, "errno", None) != errno.ENOSPC and free >= NEARLY_FULL_BYTES:
+            raise
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        previous = find_resumable(ckpt_dir, lambda _: None)
+        raise MsdsError(f"checkpoint {tag_dir}: no space left on the device of {ckpt_dir} ({free / 2**20:.1f} MiB "
+                        f"free); the unfinished checkpoint is removed and "
+                        f"{'the newest complete one, ' + previous + ', is intact' if previous else 'none is complete'}"
+                        f": free space (or lower checkpoint.keep, or set checkpoint.dir elsewhere) and run the same "
+                        f"command again to resume") from None
 
 
 def _file_records(tag_dir: Path, paths) -> dict[str, dict]:

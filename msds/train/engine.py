@@ -24,6 +24,8 @@ from msds.distributed import DeepSpeedMPU
 from msds.model.pipeline import PipelineTransformer, named_parameters, pipeline_batch
 from msds.model.roles import tensor_parallel_dim
 from msds.model.transformer import Transformer
+from msds.train import faults
+from msds.train.guards import update_skipped
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -86,20 +88,31 @@ def is_pipeline(engine) -> bool:
     return isinstance(engine.module, PipelineTransformer)
 
 
-def train_step(engine, batches, grad_accum: int, keep_tokens: int | None) -> torch.Tensor:
+def train_step(engine, batches, grad_accum: int, keep_tokens: int | None,
+               apply: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """One optimizer step over `grad_accum` micro-batches; returns their mean loss (this rank's, or
-    for a pipeline, already averaged over the data-parallel replicas and held by every stage)."""
+    for a pipeline, already averaged over the data-parallel replicas and held by every stage).
+    `apply(loss)`, when given, hears that loss before the optimizer update and says whether to make
+    it (msds.train.guards); a pipeline steps inside train_batch, so there it hears it after."""
+    faults.point("hang-before-step")
     if is_pipeline(engine):
         engine.module.routing.keep_tokens = keep_tokens
         arch = engine.module.cfg.arch
-        return engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
+        loss = engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
+        if apply is not None:
+            apply(loss)
+        return loss
     losses = []
-    for _ in range(grad_accum):
-        loss = engine(**on_device(next(batches), engine.device), keep_tokens=keep_tokens)
+    for micro_batch in range(grad_accum):
+        loss = faults.poisoned(engine(**on_device(next(batches), engine.device), keep_tokens=keep_tokens))
         engine.backward(loss)
-        engine.step()
         losses.append(loss.detach())
-    return torch.stack(losses).mean()
+        if micro_batch < grad_accum - 1:
+            engine.step()   # between accumulation boundaries: no update
+    loss = torch.stack(losses).mean()
+    with contextlib.nullcontext() if apply is None or apply(loss) else update_skipped(engine):
+        engine.step()
+    return loss
 
 
 class Evaluation(NamedTuple):

@@ -23,9 +23,11 @@ import torch.distributed as dist
 from msds.model.files import save_model, without_vocab_padding
 from msds.config import RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, train_batches
+from msds.errors import MsdsError
 from msds.distributed import data_parallel_group, init_distributed, launched_world_size, seed_generators
 from msds.plan import RunPlan, build_plan, check_environment
 from msds.train import checkpointing, relayout
+from msds.train.guards import BAD_STEPS, HangWatchdog, StepGuard
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, train_step)
 from msds.train.metrics import MetricsLogger
@@ -47,6 +49,10 @@ class TrainState:
     flops: float = 0.0
     train_seconds: float = 0.0
     transition_seconds: float = 0.0
+    # msds.train.guards.StepGuard's counts: skipped steps, and the losses a spike is measured against.
+    bad_steps: int = 0
+    bad_steps_in_row: int = 0
+    recent_losses: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Trainer:
                                  cfg.logging.tensorboard)
         self.eval_set = eval_batches(cfg.data, cfg.logging.eval_split, cfg.model.arch, cfg.data.seq_len,
                                      cfg.training.micro_batch_size, cfg.logging.eval_batches, seed=cfg.data.seed)
+        self.guard = StepGuard(cfg.training, self.world, self.log)
+        self.watchdog = HangWatchdog(cfg.training.hang_timeout_s)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -132,6 +140,7 @@ class Trainer:
         state = checkpointing.read_state(self.ckpt_dir, tag)
         same_layout = relayout.check_resume(state, self.plan, self.ckpt_dir / tag)
         self.state = TrainState(**state["train"])
+        self.saved_at_step = self.state.step   # a checkpoint of this step exists: never rewritten in place
         self.transitions = state["transitions"]
         if same_layout:
             engine = build_engine(self.plan, self.phase, None)
@@ -193,17 +202,6 @@ class Trainer:
 
         signal.signal(getattr(signal, name), note)
 
-    def reduce_step(self, loss: torch.Tensor) -> tuple[float, bool]:
-        """The step's loss averaged over data-parallel replicas, and whether any rank received the
-        stop signal (it may reach only some; all must stop at the same step), in one collective.
-        Summing over every rank is the data-parallel mean: the tensor-parallel ranks and pipeline
-        stages of one replica hold the same loss."""
-        packed = torch.stack([loss.float(), torch.tensor(float(self.signalled), device=loss.device)])
-        dist.all_reduce(packed)
-        # The step's one host read (tests/test_host_overhead.py holds the budget): both values at once.
-        total, signalled = packed.tolist()
-        return total / self.world, signalled > 0
-
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
@@ -232,8 +230,9 @@ class Trainer:
                 break
             start = time.perf_counter()
             keep = plan.keep_tokens(self.state.step)
-            loss = train_step(engine, batches, cfg.training.grad_accum, keep)
-            loss, any_rank_signalled = self.reduce_step(loss)
+            train_step(engine, batches, cfg.training.grad_accum, keep,
+                       lambda loss: self.guard.check(loss, self.signalled, self.state))
+            loss, any_rank_signalled = self.guard.verdict.loss, self.guard.verdict.signalled
             seconds = time.perf_counter() - start
             self.state.flops += plan.flops_per_step(self.phase.level, self.state.step)
             self.state.step += 1
@@ -244,7 +243,11 @@ class Trainer:
                            "lr": engine.get_lr()[0], "tokens_per_s": plan.tokens_per_step / seconds,
                            "flops": self.state.flops, "train_seconds": self.state.train_seconds,
                            "consumed_samples": self.state.consumed_samples,
-                           "keep_tokens": keep or cfg.data.seq_len})
+                           "keep_tokens": keep or cfg.data.seq_len, "bad_steps": self.state.bad_steps})
+            self.watchdog.arm()
+            if self.guard.give_up(self.state):
+                self.save(engine, BAD_STEPS)
+                raise MsdsError(self.guard.give_up(self.state))
             if self.state.step % cfg.logging.eval_interval == 0 and self.state.step < total:
                 self.log_eval(engine)
             if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0 and self.state.step < total:
@@ -274,7 +277,9 @@ def train(cfg: RunConfig) -> RunSummary:
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(plan.config, run_dir / "config.yaml")
-    return Trainer(plan).run()
+    trainer = Trainer(plan)
+    with trainer.watchdog:   # from here to the end, a hang ends the process (training.hang_timeout_s)
+        return trainer.run()
 
 
 def _run(args) -> int:

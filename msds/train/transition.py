@@ -48,6 +48,7 @@ from megatron.core import parallel_state
 from msds.multilevel.operators import (LevelMap, coalesce, coalesce_groups, decoalesce, decoalesce_interpolate,
                                       decoalesced_names)
 from msds.plan import Phase, RunPlan
+from msds.train import faults
 from msds.train.engine import MOMENTS, build_engine, destroy_engine, evaluate, optimizer_step_count, set_moments, \
     tensor_reader
 
@@ -255,6 +256,7 @@ def _coalesce(engine, plan: RunPlan, current: Phase, following: Phase, map_momen
     destroy_engine(engine)
     del engine
     gc.collect()
+    faults.point("inside-down-transition")
     return _build(plan, following, small.full, map_moments, step), saved
 
 
@@ -274,6 +276,7 @@ def _decoalesce(engine, plan: RunPlan, following: Phase, saved: Optional[SavedLe
     destroy_engine(engine)
     del engine
     gc.collect()
+    faults.point("inside-up-transition")
 
     def large(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         """The large model's full tensors of `kind`, one small tensor's de-coalesced copies at a time."""

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 tests/dist/train_checks.py two CORPUS_DIR WORK_DIR RESULTS_JSON
     torchrun --nproc_per_node 4 tests/dist/train_checks.py four CORPUS_DIR WORK_DIR RESULTS_JSON
     torchrun --nproc_per_node 2 tests/dist/train_checks.py relayout CORPUS_DIR WORK_DIR RESULTS_JSON
+    MSDS_FAULT=... torchrun --nproc_per_node 2 tests/dist/train_checks.py faults CORPUS_DIR WORK_DIR -
 
 Every check of a suite trains in its one process group, so the launch cost is paid once. Rank 0
 writes the run summaries and per-step losses to RESULTS_JSON; tests/test_train.py and
@@ -10,6 +11,7 @@ tests/test_parallel.py assert on them.
 """
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -153,8 +155,21 @@ def relayout(corpus, work):
     return results
 
 
+def faults(corpus, work):
+    """tests/test_faults.py's chain of faulted runs: the uninterrupted reference (no fault), then
+    the chain's first run, which MSDS_FAULT kills: this launch never returns results (the test reads
+    both runs' metrics.jsonl); it saves the chain one launch. WORK/overrides.json holds the runs'
+    overrides of recipes/test-vcycle-gpt.yaml."""
+    overrides = json.loads((work / "overrides.json").read_text())
+    spec = os.environ.pop("MSDS_FAULT")
+    run("reference", "gpt", corpus, work, *overrides)
+    os.environ["MSDS_FAULT"] = spec
+    run("chain", "gpt", corpus, work, *overrides)
+    return {}
+
+
 def main(suite, corpus, work, results_path):
-    results = {"two": two, "four": four, "relayout": relayout}[suite](Path(corpus), Path(work))
+    results = {"two": two, "four": four, "relayout": relayout, "faults": faults}[suite](Path(corpus), Path(work))
     if dist.get_rank() == 0:
         finite = lambda x: None if x != x or math.isinf(x) else x  # noqa: E731 (NaN/inf are not JSON)
         Path(results_path).write_text(json.dumps(results, indent=1, default=finite))
