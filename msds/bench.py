@@ -12,6 +12,15 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
   `baseline-lr2x`, `baseline-lr2x-wu48`, ...; the recipe's own setting stays `baseline`). The member
   with the lowest mean final validation loss over the seeds is the *reference*: a saving against an
   untuned baseline is not a saving.
+- `baseline_schedule_sweep: [{schedule: cosine, min_lr_ratio: 0.1}, {schedule: linear, min_lr_ratio: 0},
+  {schedule: wsd, min_lr_ratio: 0, decay_fraction: 0.2}]`: the sweep's grid also runs over these
+  schedules (optimizer.schedule and its fields; names gain e.g. `-linear0`, `-wsd0-d0.2` where the
+  schedule is not the baseline's own). The report says whether the reference is an interior optimum
+  (along the learning rate and the warmup, where more than one value was swept, both neighbours
+  were run and ended worse) and warns loudly when it sits at a grid edge (msds/bench_sweep.py).
+- `reference_budgets: [1.5, 2]`: the reference is also trained at these multiples of its steps, each
+  with its own full schedule, and each other variant gets its compute multiplier k: the FLOPs the
+  baseline needs to end at the variant's final loss, in multiples of its own (msds/bench_multiplier.py).
 - `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
   outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
   savings and says which variants are at equal quality; the headline then names the largest saving
@@ -42,7 +51,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import json
 import os
 import shutil
@@ -53,6 +61,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from msds import bench_multiplier, bench_sweep
 from msds.config import (ConfigError, OptimizerConfig, RunConfig, load_yaml, parse_overrides, run_config_from_dict,
                          set_by_path)
 from msds.distributed import launched_world_size
@@ -63,7 +72,8 @@ from msds.train.metrics import read_metrics
 
 BASELINE = "baseline"
 CONFIG_SEEDS = "config"      # the label of a bench run without seeds: the config's own training.seed, data.seed
-BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep", "eval")
+BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep", "baseline_schedule_sweep",
+              "reference_budgets", "eval")
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -100,22 +110,22 @@ def _base(bench: dict, overrides: list[str], seed: Optional[int]) -> dict:
     return base
 
 
-def sweep_variants(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
-    """The baseline sweep: name -> the full run data of each member. The grid is learning-rate factors
-    (of the baseline variant's own peak lr) x warmup lengths; the recipe's own setting is `baseline`."""
+def sweep_grid(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
+    """The baseline sweep (msds/bench_sweep.py): name -> {coords, optimizer} of each member. The grid
+    is schedules x learning-rate factors (of the baseline variant's own peak lr) x warmup lengths;
+    the recipe's own setting is `baseline`."""
     baseline = _merge(_base(bench, list(overrides), None), (bench.get("variants") or {}).get(BASELINE) or {})
     optimizer = baseline.get("optimizer") or {}
-    defaults = OptimizerConfig()
-    lr, warmup = optimizer.get("lr", defaults.lr), optimizer.get("warmup_steps", defaults.warmup_steps)
+    warmup = optimizer.get("warmup_steps", OptimizerConfig().warmup_steps)
     factors = _numbers(bench, "baseline_lr_sweep", float) or [1.0]
     warmups = _numbers(bench, "baseline_warmup_sweep", int) or [warmup]
-    members = {BASELINE: {}}
-    for factor, steps in itertools.product(factors, warmups):
-        name = BASELINE + (f"-lr{_factor_name(factor)}x" if factor != 1 else "") + \
-            (f"-wu{steps}" if steps != warmup else "")
-        if name != BASELINE:
-            members[name] = {"optimizer": {"lr": lr * factor, "warmup_steps": steps}}
-    return members
+    return bench_sweep.grid(bench, optimizer, factors, warmups, BASELINE)
+
+
+def sweep_variants(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
+    """The baseline sweep: name -> the changes of each member to the baseline variant."""
+    return {name: {} if name == BASELINE else {"optimizer": member["optimizer"]}
+            for name, member in sweep_grid(bench, overrides).items()}
 
 
 def bench_seeds(bench: dict, cli_seeds: Optional[list[int]]) -> list[Optional[int]]:
@@ -380,6 +390,10 @@ def markdown(results: dict) -> str:
                      f"{_pct(a['wallclock_saving']['mean'])} / {_pct(a['wallclock_saving']['worst'])}"
                      f"{_load_note(a)} | "
                      f"{', '.join(a['missed_in_seeds']) or 'none'} |")
+    if "sweep_check" in results:          # results.json of an earlier version has none
+        lines += ["", bench_sweep.markdown(results["sweep_check"]).rstrip("\n")]
+    if "multiplier" in results:
+        lines += ["", bench_multiplier.markdown(results).rstrip("\n")]
     for seed in seeds:
         title = "### runs" if seed == CONFIG_SEEDS else f"### seed {seed}"
         lines += ["", title, "", seed_table(results["per_seed"][seed])]
@@ -422,6 +436,19 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _with_new_fields(stored: dict, defaults: dict) -> dict:
+    """A record written before some config fields existed, with those fields at their defaults:
+    every field added since keeps, at its default, the behaviour from before it (e.g.
+    optimizer.schedule: cosine), so an earlier run stays reusable."""
+    out = dict(stored)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_new_fields(out[key], value)
+    return out
+
+
 def _computes_the_same(stored: dict, record: dict) -> bool:
     """Whether a finished run's config record and a new one train the same run. A run without
     multi-level training reads nothing of its `multilevel` section, so a changed default there
@@ -446,13 +473,15 @@ def _first_difference(stored: dict, record: dict, prefix: str = "") -> str:
 
 def _stored_record(run_dir: Path) -> Optional[tuple[dict, bool]]:
     """What a run directory says it computes, and whether it finished: a finished run's summary.json,
-    else the config.yaml a started run wrote (its checkpoints are what a new start would resume)."""
+    else the config.yaml a started run wrote (its checkpoints are what a new start would resume);
+    fields added to the config since, at their defaults."""
     done, started = run_dir / "summary.json", run_dir / "config.yaml"
+    defaults = _config_record(RunConfig())
     if done.is_file():
-        return json.loads(done.read_text())["config"], True
+        return _with_new_fields(json.loads(done.read_text())["config"], defaults), True
     if started.is_file():
         record = json.loads(json.dumps(load_yaml(started)))
-        return {k: v for k, v in record.items() if k != "run_dir"}, False
+        return _with_new_fields({k: v for k, v in record.items() if k != "run_dir"}, defaults), False
     return None
 
 
@@ -753,6 +782,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
                               f"(eval.tasks) or drop --eval-at")
         bench["eval"] = {**bench["eval"], "at": eval_at}
     seed_list = bench_seeds(bench, seeds)
+    budget_factors = bench_multiplier.check_factors(bench)
     seed_dirs = {(CONFIG_SEEDS if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}"
                  for s in seed_list}
     configs = {label: variant_configs(bench, seed_dirs[label], list(overrides), seed=s)
@@ -771,24 +801,48 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
                               f"{', '.join(names)}")
         names = [n for n in names if n in only or n in members]
     _train_missing({label: {n: c[n] for n in names} for label, c in configs.items()}, seed_dirs, jobs)
+    reference, sweep = best_baseline(list(seed_dirs.values()), members)
+    longer = {label: bench_multiplier.longer_configs(c[reference], reference, budget_factors, seed_dirs[label])
+              for label, c in configs.items()}
+    _train_missing(longer, seed_dirs, jobs)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    reference, sweep = best_baseline(list(seed_dirs.values()), members)
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
+    coords = {name: member["coords"] for name, member in sweep_grid(bench, list(overrides)).items()}
     results = {"config": str(config_path), "reference": reference, "baseline_sweep": sweep,
+               "sweep_check": bench_sweep.interior(coords, sweep, reference),
                "variants": aggregate(per_seed, names), "per_seed": per_seed}
+    if budget_factors:
+        results["multiplier"] = _multipliers(seed_dirs, per_seed, longer, [n for n in names if n not in members],
+                                             budget_factors)
     if eval_settings is not None:
         results["eval"] = _evaluate(configs, seed_dirs, per_seed, [n for n in names if n not in members], reference,
                                     eval_settings, jobs)
     results["headline"] = headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results) + (eval_markdown(results) if eval_settings is not None else "")
-    (out_dir / "results.md").write_text(f"**{results['headline']}**\n\n{table}")
+    edge = bench_sweep.warning(results["sweep_check"])
+    (out_dir / "results.md").write_text(f"**{results['headline']}**\n\n" + (f"**{edge}**\n\n" if edge else "") + table)
     plots = plot(results, out_dir)
-    print(f"bench: {results['headline']}\n")
+    print(f"bench: {results['headline']}\n" + (f"bench: {edge}\n" if edge else ""))
     print(table)
     print(f"results: {out_dir / 'results.json'}; plots: {', '.join(str(p) for p in plots)}", flush=True)
     return results
+
+
+def _multipliers(seed_dirs: dict[str, Path], per_seed: dict, longer: dict[str, dict[str, RunConfig]],
+                 names: list[str], factors: list[float]) -> dict:
+    """Each variant's compute multiplier k in every seed, on the curve of the reference's final loss at
+    1x and at each budget factor (msds/bench_multiplier.py)."""
+    curves, ks = {}, {}
+    for label, seed in per_seed.items():
+        reference = seed["variants"][seed["reference"]]
+        finals = [read_metrics(seed_dirs[label] / name, "eval")[-1] for name in longer[label]]
+        curves[label] = [(reference["total_flops"], reference["final_val_loss"])] + \
+            [(last["flops"], last["val_loss"]) for last in finals]
+        ks[label] = {name: bench_multiplier.multiplier(curves[label], seed["variants"][name]["final_val_loss"])
+                     for name in names}
+    return {"factors": factors, "curves": curves, "variants": bench_multiplier.aggregate(ks, names)}
 
 
 def _run(args) -> int:
