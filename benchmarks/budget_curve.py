@@ -1,0 +1,119 @@
+"""Issue 58's budget curve: one table row per budget point and V-cycle try, from the `msds bench`
+outputs of recipes/bench-budget-<arch>-<steps>.yaml, written as a benchmarks/results JSON table
+(the report format of `msds report`: per-seed lists, the setting, the source).
+
+Tokens per parameter count the parameters outside the word, position and token-type embeddings
+(the convention of scaling-law work), with the tokens of the baseline's steps.
+
+    for B in 40 120 400 1200; do
+        msds bench --config recipes/bench-budget-gpt-$B.yaml --out bench_out/budget-gpt-$B --jobs 2
+    done
+    .venv/bin/python benchmarks/budget_curve.py --arch gpt --out benchmarks/results/budget-curve-gpt.json \\
+        bench_out/budget-gpt-{40,120,400,1200}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import yaml
+
+EMBEDDINGS = ("embeddings.word.weight", "embeddings.position.weight", "embeddings.token_type.weight")
+COLUMNS = [
+    {"key": "tokens_per_param", "label": "tokens per non-embedding parameter", "digits": 2},
+    {"key": "steps", "label": "baseline steps", "digits": 0},
+    {"key": "variant", "label": "V-cycle try"},
+    {"key": "reference", "label": "reference: schedule, peak LR, warmup"},
+    {"key": "interior", "label": "reference interior?"},
+    {"key": "flops_saving", "label": "FLOPs saved (mean / worst)", "format": "mean_worst", "digits": 1,
+     "suffix": "%", "worst": "min"},
+    {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst", "digits": 1,
+     "suffix": "%", "worst": "min"},
+    {"key": "missed", "label": "missed the target in seeds"},
+    {"key": "multiplier", "label": "compute multiplier k per seed"},
+]
+
+
+def non_embedding_parameters(config: dict) -> int:
+    from msds.config import run_config_from_dict
+    from msds.model.roles import expected_shapes
+
+    model = run_config_from_dict(config).model
+    return sum(math.prod(shape) for name, shape in expected_shapes(model).items() if name not in EMBEDDINGS)
+
+
+def _schedule(optimizer: dict) -> str:
+    floor = "zero" if optimizer["min_lr_ratio"] == 0 else f"{optimizer['min_lr_ratio']:.0%}"
+    if optimizer["schedule"] == "wsd":
+        return f"WSD to {floor} (last {optimizer['decay_fraction']:.0%})"
+    return f"{optimizer['schedule']} to {floor}"
+
+
+def _interior(check: dict) -> str:
+    if check["interior"]:
+        return "yes"
+    edges = [f"{dim} edge" for dim, d in check["dimensions"].items() if not d["interior"]]
+    return "NO (" + ", ".join(edges) + ")"
+
+
+def _percent(values: list) -> list | None:
+    return None if any(v is None for v in values) else [round(100 * v, 2) for v in values]
+
+
+def rows(bench_dir: Path) -> list[dict]:
+    results = json.loads((bench_dir / "results.json").read_text())
+    seeds = list(results["per_seed"])
+    seed_dir = bench_dir / f"seed{seeds[0]}"
+    reference = results["reference"]
+    config = yaml.safe_load((seed_dir / reference / "config.yaml").read_text())
+    optimizer = config["optimizer"]
+    steps = config["training"]["steps"]
+    tokens = steps * config["training"]["micro_batch_size"] * config["training"]["grad_accum"] * config["data"]["seq_len"]
+    out = []
+    for name, variant in results["variants"].items():
+        if name in results["baseline_sweep"]:
+            continue
+        k = results.get("multiplier", {}).get("variants", {}).get(name)
+        out.append({"tokens_per_param": round(tokens / non_embedding_parameters(config), 3), "steps": steps,
+                    "variant": name,
+                    "reference": f"{_schedule(optimizer)}, {optimizer['lr']:g}, {optimizer['warmup_steps']}",
+                    "interior": _interior(results["sweep_check"]),
+                    "flops_saving": _percent(variant["flops_saving"]["per_seed"]),
+                    "wallclock_saving": _percent(variant["wallclock_saving"]["per_seed"]),
+                    "missed": ", ".join(variant["missed_in_seeds"]) or "none",
+                    "multiplier": None if k is None else ", ".join(k["per_seed"]),
+                    "seeds": seeds, "final_val_loss": variant["final_val_loss"]["per_seed"],
+                    "target_val_loss": [results["per_seed"][s]["target_val_loss"] for s in seeds]})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, choices=["gpt", "bert"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--command", default="", help="the command line that produced the bench outputs")
+    parser.add_argument("bench_dirs", nargs="+", type=Path)
+    args = parser.parse_args()
+    import deepspeed
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    table = {"title": f"Issue 58's budget curve, {args.arch.upper()} (2 x 64, 1,024 tokens per step): the V-cycle "
+                      f"against the best of a schedule x learning-rate sweep at each budget",
+             "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores shared with "
+                                    f"other work (wall-clock savings are noisy)",
+                         "versions": f"msds {commit}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+                         "command": args.command, "date": "2026-12-06"},
+             "columns": COLUMNS,
+             "rows": [row for d in args.bench_dirs for row in rows(d)],
+             "source": ", ".join(str(d / "results.json") for d in args.bench_dirs)}
+    args.out.write_text(json.dumps(table, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
