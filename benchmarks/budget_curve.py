@@ -10,6 +10,8 @@ Tokens per parameter count the parameters outside the word, position and token-t
     done
     .venv/bin/python benchmarks/budget_curve.py --arch gpt --out benchmarks/results/budget-curve-gpt.json \\
         bench_out/budget-gpt-{40,120,400,1200}
+    .venv/bin/python benchmarks/budget_curve.py --plot --out docs/img/budget-curve.png \
+        benchmarks/results/budget-curve-gpt.json benchmarks/results/budget-curve-bert.json
 """
 from __future__ import annotations
 
@@ -92,13 +94,53 @@ def rows(bench_dir: Path) -> list[dict]:
     return out
 
 
+def plot(tables: list[dict], path: Path) -> None:
+    """FLOPs saving and compute multiplier k of each V-cycle try against tokens per parameter, one
+    panel each: the mean over seeds, where every seed has a number (reached the target; k inside
+    the measured range)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for table in tables:
+        arch = table["title"].split(",")[1].split("(")[0].strip()
+        for variant in dict.fromkeys(r["variant"] for r in table["rows"]):
+            rows = [r for r in table["rows"] if r["variant"] == variant]
+            x = [r["tokens_per_param"] for r in rows]
+            reached = [r for r in rows if r["flops_saving"]]
+            left.plot([r["tokens_per_param"] for r in reached],
+                      [sum(r["flops_saving"]) / len(r["flops_saving"]) for r in reached], marker="o",
+                      label=f"{arch} {variant}")
+            ks = [[float(v) for v in r["multiplier"].split(", ")] if r["multiplier"] and "<" not in r["multiplier"]
+                  and ">" not in r["multiplier"] else None for r in rows]
+            right.plot([xi for xi, k in zip(x, ks) if k], [sum(k) / len(k) for k in ks if k], marker="o",
+                       label=f"{arch} {variant}")
+    for ax, label in ((left, "FLOPs saved to the reference's final loss (%, mean)"),
+                      (right, "compute multiplier k (mean)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens per non-embedding parameter")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    right.axhline(1, color="black", linewidth=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=["gpt", "bert"])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--command", default="", help="the command line that produced the bench outputs")
-    parser.add_argument("bench_dirs", nargs="+", type=Path)
+    parser.add_argument("--plot", action="store_true", help="instead: draw the curve of the results tables (JSON) given "
+                                                 "in place of bench directories into --out, a PNG")
+    parser.add_argument("bench_dirs", nargs="*", type=Path)
     args = parser.parse_args()
+    if args.plot:
+        plot([json.loads(p.read_text()) for p in args.bench_dirs], args.out)
+        return
     import deepspeed
     import torch
 
