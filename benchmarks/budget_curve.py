@@ -131,7 +131,7 @@ def plot(tables: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", required=True, choices=["gpt", "bert"])
+    parser.add_argument("--arch", choices=["gpt", "bert"], help="the architecture of the bench directories")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--command", default="", help="the command line that produced the bench outputs")
     parser.add_argument("--plot", action="store_true", help="instead: draw the curve of the results tables (JSON) given "
