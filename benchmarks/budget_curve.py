@@ -141,6 +141,8 @@ def main() -> None:
     if args.plot:
         plot([json.loads(p.read_text()) for p in args.bench_dirs], args.out)
         return
+    if args.arch is None:
+        parser.error("--arch: give the architecture of the bench directories (gpt or bert)")
     import deepspeed
     import torch
 
