@@ -27,7 +27,8 @@ SUBCOMMANDS = {
     "train": ("msds.train.loop", "train a model, with or without a V-cycle, under DeepSpeed"),
     "convert-checkpoint": ("msds.train.checkpointing",
                            "turn a training checkpoint (any tensor-parallel size) into a TP=1 model checkpoint"),
-    "bench": ("msds.bench", "train a baseline and V-cycle variants side by side and report the saving"),
+    "bench": ("msds.bench.cli", "train a baseline and V-cycle variants side by side and report the saving"),
+    "report": ("msds.bench.doc_tables", "regenerate the tables of BENCHMARKS.md and README.md from their JSON"),
     "eval": ("msds.eval.cli", "evaluate a model on held-out perplexity, cloze and fine-tuning tasks"),
     "demo": ("msds.demo", "run the main job on its embedded default"),
 }

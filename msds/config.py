@@ -396,10 +396,10 @@ class LevelConfig:
     """Layer grouping: adjacent merges consecutive layers (the paper), strided layer i with i + L/g."""
     lr: float = 0.0
     """Peak learning rate at this level; 0 = optimizer.lr times the product of the hidden and layers
-    factors down to this level (4x for half width and half depth, the paper's rule). Measured at the
-    prototype scale (BENCHMARKS.md, against a tuned baseline): 4x and 2x of a tuned optimizer.lr both
-    won (21.6% / 20.0% FLOPs saved); what lost was a V-cycle whose full-size phases ran at an untuned
-    optimizer.lr, so tune optimizer.lr as for the baseline and keep this default."""
+    factors down to this level (4x for half width and half depth, the paper's rule). Tune
+    optimizer.lr as for the baseline and keep this default: what decides a V-cycle's saving is a
+    tuned full-size learning rate, not this factor (BENCHMARKS.md, "The speedup at the prototype
+    scale"; docs/method.md §7)."""
 
 
 @dataclass
@@ -422,9 +422,10 @@ class MultilevelConfig:
     stay the baseline's (equal to budget_steps): adding this section converts a baseline recipe."""
     phase_fractions: list[float] = field(default_factory=list)
     """With budget_steps: the length of every phase but the last, as fractions of budget_steps.
-    Empty = the measured default for one cycle of two levels, [0.1, 0.8]: coalesce after 10% of the
+    Empty = the default for one cycle of two levels, [0.1, 0.8]: coalesce after 10% of the
     budget, train the small model for 80% of its steps (at half width and depth about a quarter of their
-    FLOPs), then full size for the FLOPs left (docs/method.md §7.7 has the evidence). A grow-only
+    FLOPs), then full size for the FLOPs left (the evidence: BENCHMARKS.md, "The speedup at the
+    prototype scale"; docs/method.md §7.7). A grow-only
     run has no default: give its first K - 1 phases."""
     cycles: int = 1
     """How many V-cycles to run."""
@@ -441,14 +442,14 @@ class MultilevelConfig:
     with Adam reset, which lost in the first measurements. For BERT 0.5 fine-tunes better and saves
     fewer FLOPs than 0.75 (docs/method.md §7.7)."""
     optimizer_policy: Literal["map", "reset"] = "map"
-    """`map`: transform Adam's moments with the same grouping and keep the step count (default:
-    it decided between a 34% saving and a loss in first measurements, docs/method.md §7.2). `reset`: fresh
-    optimizer state at every transition, as in the paper."""
+    """`map`: transform Adam's moments with the same grouping and keep the step count (the default:
+    in the first measurements it decided between a saving and a loss, docs/method.md §7.2). `reset`:
+    fresh optimizer state at every transition, as in the paper."""
     phase_warmup_steps: int = 48
-    """Linear warmup at the start of every phase after the first, at most the phase's length. 48 (10%
-    of a 480-step budget, the budget it was measured at) met the bar on every seed of both
-    architectures; with 10, BERT missed it and GPT saved 7 points less on its worst seed
-    (docs/method.md §7.7). A run at another budget sets its own."""
+    """Linear warmup at the start of every phase after the first, at most the phase's length. The
+    default, 48, is a tenth of the 480-step budget it was chosen at, where a shorter re-warmup saved
+    less or missed the reference's loss (BENCHMARKS.md, "The speedup at the prototype scale";
+    docs/method.md §7.7). A run at another budget sets its own."""
     lr_schedule: Literal["phase", "run"] = "phase"
     """`phase`: every phase warms up to its level's peak and decays (optimizer.schedule) over its
     own steps. `run`: one schedule over the whole run, as the baseline's, scaled by each level's

@@ -17,7 +17,7 @@ DEFAULT_OUT = Path("bench_out") / "demo"
 
 def _run(args) -> int:
     from msds import resources
-    from msds.bench import run_bench
+    from msds.bench.run import run_bench
     from msds.data.prepare import prepare
 
     data_dir = Path(args.data).resolve()

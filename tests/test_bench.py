@@ -1,4 +1,5 @@
 """`msds bench` on a minimal config: every field of results.json, the interpolation, bad configs."""
+import dataclasses
 import json
 import math
 import signal
@@ -10,7 +11,13 @@ import pytest
 import torch
 import yaml
 
-from msds.bench import _pending, first_crossing, headline, markdown, run_bench, same_load, sweep_variants, variant_configs
+from msds.bench.report import headline, markdown
+from msds.bench.run import run_bench
+from msds.bench.runs import EvalPoint, Load, same_load
+from msds.bench.saving import (BenchResults, LossSpread, SeedResult, Spread, VariantRun, VariantSummary,
+                               first_crossing)
+from msds.bench.training import pending_runs
+from msds.bench.variants import sweep_variants, variant_configs
 from msds.config import ConfigError, dump_yaml
 
 MINIMAL = {
@@ -41,7 +48,7 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     out = tmp_path / "out"
     results = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
     on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk == json.loads(json.dumps(results.to_json()))
     assert set(on_disk) == {"config", "reference", "baseline_sweep", "sweep_check", "variants", "per_seed", "headline"}
     assert on_disk["headline"].startswith(("vcycle reaches the baseline", "no variant reaches the baseline"))
     assert (out / "results.md").read_text().startswith(f"**{on_disk['headline']}**")
@@ -86,9 +93,9 @@ def test_minimal_bench_results(train_corpus, tmp_path):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     # A second run reuses both finished variants instead of training again.
     again = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
-    assert again["per_seed"]["config"]["variants"]["vcycle"]["evals"] == vcycle["evals"]
+    assert again.to_json()["per_seed"]["config"]["variants"]["vcycle"]["evals"] == vcycle["evals"]
     # --only reports the chosen variants (reused here too).
-    assert set(run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"], only=["baseline"])["variants"]) \
+    assert set(run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"], only=["baseline"]).variants) \
         == {"baseline"}
 
 
@@ -102,7 +109,7 @@ def test_seeds_and_a_baseline_sweep(train_corpus, tmp_path, capsys):
     bench["variants"]["vcycle"]["multilevel"] = {**bench["variants"]["vcycle"]["multilevel"], "phase_steps": [2, 4, 2]}
     out = tmp_path / "out"
     started = time.monotonic()
-    results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"], jobs=2)
+    results = run_bench(write(tmp_path, bench), out, [f"data.path={train_corpus}"], jobs=2).to_json()
     minutes = (time.monotonic() - started) / 60
     assert list(results["per_seed"]) == ["1", "2"]
     printed = capsys.readouterr().out
@@ -156,7 +163,7 @@ def test_a_stopped_bench_stops_its_runs_with_a_checkpoint(train_corpus, tmp_path
     bench = {"base": {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 100000}},
              "variants": {"baseline": {}, "other": {"optimizer": {"lr": 0.001}}}}
     out = tmp_path / "out"
-    script = (f"from msds.bench import run_bench; run_bench({str(write(tmp_path, bench))!r}, {str(out)!r}, "
+    script = (f"from msds.bench.run import run_bench; run_bench({str(write(tmp_path, bench))!r}, {str(out)!r}, "
               f"['data.path={train_corpus}'], jobs=2)")
     bench_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -173,8 +180,12 @@ def test_a_stopped_bench_stops_its_runs_with_a_checkpoint(train_corpus, tmp_path
         assert (out / name / "checkpoints" / "latest").is_file() and not (out / name / "summary.json").exists()
 
 
+def point(val_loss: float, flops: float, level: int = 1) -> EvalPoint:
+    return EvalPoint(step=0, flops=flops, train_seconds=0.0, val_loss=val_loss, level=level)
+
+
 def test_first_crossing_interpolates_between_evaluations():
-    evals = [{"val_loss": 5.0, "flops": 10.0}, {"val_loss": 4.0, "flops": 20.0}, {"val_loss": 3.0, "flops": 30.0}]
+    evals = [point(5.0, 10.0), point(4.0, 20.0), point(3.0, 30.0)]
     assert first_crossing(evals, 3.5, "flops") == pytest.approx(25.0)
     assert first_crossing(evals, 5.5, "flops") == 10.0
     assert first_crossing(evals, 2.0, "flops") is None
@@ -183,8 +194,7 @@ def test_first_crossing_interpolates_between_evaluations():
 def test_first_crossing_counts_only_the_full_size_model():
     """A V-cycle's small model below the target does not count; nor does an interpolation across the
     up-transition: the first full-size evaluation after it counts at its own cost."""
-    evals = [{"level": 1, "val_loss": 6.0, "flops": 10.0}, {"level": 2, "val_loss": 4.0, "flops": 12.0},
-             {"level": 1, "val_loss": 4.5, "flops": 20.0}, {"level": 1, "val_loss": 3.5, "flops": 30.0}]
+    evals = [point(6.0, 10.0), point(4.0, 12.0, level=2), point(4.5, 20.0), point(3.5, 30.0)]
     assert first_crossing(evals, 4.2, "flops") == pytest.approx(23.0)
     assert first_crossing(evals, 4.6, "flops") == 20.0
     assert first_crossing(evals, 3.0, "flops") is None
@@ -193,25 +203,26 @@ def test_first_crossing_counts_only_the_full_size_model():
 def test_a_wall_clock_timed_under_another_load_is_marked():
     """Two wall-clocks compare only under the same load: the same threads and runs at once, and load
     averages within 25%. The report marks a saving whose pair differs, per seed and over the seeds."""
-    alone = {"cores": 2, "threads": 1, "runs_at_once": 2, "load_average": 2.1}
-    assert same_load(alone, alone) and same_load(alone, {**alone, "load_average": 2.5})
-    assert not same_load(alone, {**alone, "load_average": 3.2})           # a third process beside the pair
-    assert not same_load(alone, {**alone, "runs_at_once": 1, "threads": 2})
+    alone = Load(cores=2, threads=1, runs_at_once=2, load_average=2.1)
+    assert same_load(alone, alone) and same_load(alone, dataclasses.replace(alone, load_average=2.5))
+    assert not same_load(alone, dataclasses.replace(alone, load_average=3.2))   # a third process beside the pair
+    assert not same_load(alone, dataclasses.replace(alone, runs_at_once=1, threads=2))
     assert same_load(None, None) is None and same_load(alone, None) is False   # runs that recorded no load
-    run = (lambda saving, like: {"final_val_loss": 5.0, "baseline_val_loss_at_same_flops": 5.1, "total_flops": 1.0,
-                                 "flops_to_target": 0.6, "seconds_to_target": 6.0, "flops_saving": saving,
-                                 "wallclock_saving": saving, "transition_seconds": 0.0, "timed_like_reference": like})
-    spread = {"mean": 0.4, "worst": 0.3}
-    results = {"reference": "baseline", "baseline_sweep": {"baseline": 5.1},
-               "variants": {"baseline": {"final_val_loss": {"mean": 5.1, "best": 5.1, "worst": 5.1},
-                                         "flops_saving": spread, "wallclock_saving": spread, "missed_in_seeds": [],
-                                         "not_timed_like_reference_in_seeds": []},
-                            "vcycle": {"final_val_loss": {"mean": 5.0, "best": 5.0, "worst": 5.0},
-                                       "flops_saving": spread, "wallclock_saving": spread, "missed_in_seeds": [],
-                                       "not_timed_like_reference_in_seeds": ["2"]}},
-               "per_seed": {s: {"reference": "baseline", "target_val_loss": 5.1,
-                                "variants": {"baseline": run(0.0, True), "vcycle": run(0.4, s == "1")}}
-                            for s in ("1", "2")}}
+    def run(saving, like):
+        return VariantRun(final_val_loss=5.0, total_flops=1.0, total_seconds=10.0, reached_target=True,
+                          flops_to_target=0.6, seconds_to_target=6.0, flops_saving=saving, wallclock_saving=saving,
+                          load=None, timed_like_reference=like, baseline_val_loss_at_same_flops=5.1,
+                          transition_seconds=0.0)
+
+    def summary(loss, late_seeds):
+        spread = Spread(mean=0.4, worst=0.3, per_seed=[0.5, 0.3])
+        return VariantSummary(LossSpread(loss, loss, [loss, loss], best=loss), spread, spread, [], late_seeds)
+
+    results = BenchResults(
+        config="bench.yaml", reference="baseline", baseline_sweep={"baseline": 5.1},
+        variants={"baseline": summary(5.1, []), "vcycle": summary(5.0, ["2"])},
+        per_seed={s: SeedResult("baseline", 5.1, {"baseline": run(0.0, True), "vcycle": run(0.4, s == "1")})
+                  for s in ("1", "2")})
     assert "less wall-clock (worst 30.0%) (not timed under the reference's load in seed(s) 2)" \
         in headline(results)
     md = markdown(results)
@@ -255,7 +266,7 @@ def test_a_finished_run_is_reused_only_while_it_would_train_the_same(tmp_path, t
     would resume its checkpoints and report the old run under the new config)."""
     def pending(*overrides):
         configs = variant_configs(MINIMAL, tmp_path, [f"data.path={train_corpus}", *overrides], world_size=1)
-        return _pending(configs, tmp_path)
+        return pending_runs(configs, tmp_path)
 
     for name, _, record in pending():
         (tmp_path / name).mkdir()

@@ -5,8 +5,10 @@ import json
 import pytest
 import yaml
 
-from msds import bench_multiplier, bench_sweep
-from msds.bench import run_bench, sweep_grid, variant_configs
+from msds.bench import multiplier as bench_multiplier
+from msds.bench import sweep as bench_sweep
+from msds.bench.run import run_bench
+from msds.bench.variants import sweep_grid, variant_configs
 from msds.config import ConfigError
 
 SCHEDULES = [{"schedule": "cosine", "min_lr_ratio": 0.1}, {"schedule": "linear", "min_lr_ratio": 0.0},
@@ -34,6 +36,10 @@ def test_the_grid_is_schedules_x_rates_x_warmups_named_by_what_differs(tmp_path,
     assert (linear.schedule, linear.min_lr_ratio, linear.lr) == ("linear", 0.0, 0.0015)
     # Without a schedule sweep the names are those of earlier benches (their finished runs are reused).
     assert set(sweep_grid(_bench(baseline_lr_sweep=[1, 2]))) == {"baseline", "baseline-lr2x"}
+    # An entry with its own rate factors: the linear decay only at the baseline's rate.
+    narrower = sweep_grid(_bench(baseline_lr_sweep=[0.5, 1, 2],
+                                 baseline_schedule_sweep=[SCHEDULES[0], {**SCHEDULES[1], "lr_factors": [1]}]))
+    assert list(narrower) == ["baseline", "baseline-lr0.5x", "baseline-lr2x", "baseline-linear0"]
     with pytest.raises(ConfigError, match=r"^baseline_schedule_sweep\[0\]: shape is not a schedule field"):
         sweep_grid(_bench(baseline_schedule_sweep=[{"shape": "linear"}]))
     with pytest.raises(ConfigError, match=r"^variants\.baseline-wsd0\.1-d0\.99\.optimizer\.decay_fraction: 0\.99"):
@@ -93,7 +99,7 @@ def test_a_bench_with_a_schedule_sweep_and_reference_budgets(train_corpus, tmp_p
                                                   "lr_schedule": "run"}}
     (tmp_path / "bench.yaml").write_text(yaml.safe_dump(bench))
     out = tmp_path / "out"
-    results = run_bench(tmp_path / "bench.yaml", out, [f"data.path={train_corpus}"])
+    results = run_bench(tmp_path / "bench.yaml", out, [f"data.path={train_corpus}"]).to_json()
     members = {"baseline-linear0", "baseline-linear0-lr3x", "baseline-wsd0-d0.25", "baseline-wsd0-d0.25-lr3x",
                "baseline"}
     assert set(results["baseline_sweep"]) == members
@@ -118,7 +124,7 @@ def test_a_bench_with_a_schedule_sweep_and_reference_budgets(train_corpus, tmp_p
 def test_a_run_finished_before_the_schedule_fields_existed_is_reused(tmp_path, train_corpus):
     """Its summary.json has no optimizer.schedule or decay_fraction: at their defaults (today's
     cosine) it trained the same run; a bench that asks for another schedule refuses it."""
-    from msds.bench import _pending
+    from msds.bench.training import pending_runs as _pending
 
     def pending(*overrides):
         return _pending(variant_configs(_bench(), tmp_path, [f"data.path={train_corpus}", *overrides], world_size=1),

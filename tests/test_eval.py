@@ -286,23 +286,26 @@ def test_quality_verdict_uses_the_reference_seed_spread():
 def test_the_headline_names_the_best_saving_at_equal_quality():
     """With downstream scores, the bench's headline is the largest saving among the variants at equal
     quality; a variant that saves more below the reference's spread is named with its short tasks."""
-    from msds.bench import headline
+    from msds.bench.report import headline
+    from msds.bench.saving import BenchResults, LossSpread, SeedResult, Spread, VariantSummary
 
     settings = EvalSettings(tasks=["heldout-ppl", "cloze"])
     # The reference's worst seed: perplexity 105, cloze 0.30; "fast" falls short on cloze, "fair" does not.
     values = {seed: {"baseline": {"heldout-ppl": ppl, "cloze": 0.30}, "fast": {"heldout-ppl": 101.0, "cloze": 0.25},
                      "fair": {"heldout-ppl": 101.0, "cloze": 0.31}} for seed, ppl in (("1", 100.0), ("2", 105.0))}
-    saving = (lambda mean: {"flops_saving": {"mean": mean, "worst": mean}, "wallclock_saving": {"mean": mean, "worst": mean},
-                            "final_val_loss": {"mean": 5.0}, "not_timed_like_reference_in_seeds": []})
-    results = {"reference": "baseline", "baseline_sweep": {"baseline": 5.1},
-               "variants": {"baseline": saving(0.0), "fast": saving(0.4), "fair": saving(0.3)},
-               "per_seed": {"1": {"target_val_loss": 5.1}, "2": {"target_val_loss": 5.1}}}
+    def saving(mean):
+        spread = Spread(mean, mean, [mean, mean])
+        return VariantSummary(LossSpread(5.0, 5.0, [5.0, 5.0], best=5.0), spread, spread, [], [])
+
+    results = BenchResults(config="bench.yaml", reference="baseline", baseline_sweep={"baseline": 5.1},
+                           variants={"baseline": saving(0.0), "fast": saving(0.4), "fair": saving(0.3)},
+                           per_seed={s: SeedResult("baseline", 5.1, {}) for s in ("1", "2")})
     assert headline(results).startswith("fast reaches the baseline final validation loss with 40.0% fewer FLOPs")
-    results["eval"] = quality(values, "baseline", settings)
+    results.eval = quality(values, "baseline", settings)
     line = headline(results)
     assert line.startswith("fair reaches the baseline final validation loss with 30.0% fewer FLOPs")
     assert "at equal downstream quality; fast saves more (40.0% of the FLOPs) but falls short on cloze" in line
-    results["variants"]["fair"] = saving(None)
+    results.variants["fair"] = saving(None)
     assert headline(results).startswith("no variant that reaches the baseline final validation loss is at equal "
                                         "downstream quality; the largest saving, fast's 40.0%")
 
@@ -319,7 +322,7 @@ TINY_BENCH_BASE = {
 def test_bench_eval_section(train_corpus, tmp_path):
     """A bench with an `eval:` section: both runs evaluated, scores beside the savings; a task that
     does not fit the architecture stops the bench before training."""
-    from msds.bench import run_bench
+    from msds.bench.run import run_bench
 
     bench = {
         "base": TINY_BENCH_BASE,
@@ -337,8 +340,8 @@ def test_bench_eval_section(train_corpus, tmp_path):
     bench["eval"] = {"tasks": ["heldout-ppl", "cloze"], "max_examples": 2, "seq_len": 16, "batch_size": 64}
     path.write_text(yaml.safe_dump(bench))
     results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"])
-    variants = results["eval"]["variants"]
-    assert set(variants) == {"baseline", "vcycle"} and results["eval"]["reference"] == "baseline"
+    variants = results.eval["variants"]
+    assert set(variants) == {"baseline", "vcycle"} and results.eval["reference"] == "baseline"
     saved = json.loads((tmp_path / "out" / "vcycle" / "eval.json").read_text())
     assert variants["vcycle"]["tasks"]["cloze"]["per_seed"] == [saved["tasks"]["cloze"]["value"]]
     assert math.isfinite(variants["vcycle"]["tasks"]["heldout-ppl"]["mean"])
@@ -353,8 +356,10 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     one, and a second bench reuses it. `--eval-at target` and the config's `eval.at: target` are the
     same bench. A bad `eval.at`, or `--eval-at` without an eval: section, stops the bench before any
     training."""
-    from msds.bench import AT_TARGET, crossing_index, run_bench
-    from msds.train.metrics import read_metrics
+    from msds.bench.at_target import AT_TARGET
+    from msds.bench.run import run_bench
+    from msds.bench.runs import read_evals
+    from msds.bench.saving import crossing_index
 
     bench = {
         "base": TINY_BENCH_BASE,
@@ -374,17 +379,17 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
 
     results = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2, eval_at="target")
     run = tmp_path / "out" / "longer"
-    evals = read_metrics(run, "eval")
-    index = crossing_index(evals, results["per_seed"]["config"]["target_val_loss"])
-    step = None if index is None else evals[index]["step"]
+    evals = read_evals(run)
+    index = crossing_index(evals, results.per_seed["config"].target_val_loss)
+    step = None if index is None else evals[index].step
     assert step is not None and step < 24, "the longer run should pass the 8-step baseline's loss before its end"
-    entry = results["eval"]["at_target"]["config"]["longer"]
+    entry = results.eval["at_target"]["config"]["longer"]
     assert entry["step"] == step and abs(entry["val_loss"] - entry["run_val_loss"]) < 1e-5
     rerun = run / AT_TARGET
     assert json.loads((rerun / "at_target.json").read_text())["step"] == step
     assert not (rerun / "checkpoints").exists() and (rerun / "model" / "model.safetensors").is_file()
     at_target_ppl = json.loads((rerun / "eval.json").read_text())["tasks"]["heldout-ppl"]["value"]
-    assert results["eval"]["variants"]["longer"]["tasks"]["heldout-ppl"]["per_seed"] == [at_target_ppl]
+    assert results.eval["variants"]["longer"]["tasks"]["heldout-ppl"]["per_seed"] == [at_target_ppl]
     assert not (run / "eval.json").exists()          # the final model is not what counts
     md = (tmp_path / "out" / "results.md").read_text()
     assert f"| config | longer | {step} |" in md and "(the variants' models evaluated where they reach the target)" in md
@@ -394,13 +399,14 @@ def test_bench_evaluates_each_variant_where_it_reaches_the_target(train_corpus, 
     path.write_text(yaml.safe_dump(bench))
     again = run_bench(path, tmp_path / "out", [f"data.path={train_corpus}"], jobs=2)
     assert f"{rerun} is up to date, reusing it" in capsys.readouterr().out
-    assert again["eval"] == results["eval"]
+    assert again.eval == results.eval
 
 
 def test_a_target_at_a_phase_end_is_refused(train_corpus, tmp_path):
     """The trainer leaves a phase before it stops, so a variant first reaching the target at the end
     of a phase (not the last) has no model there to rerun to: one error naming eval.at and the step."""
-    from msds.bench import _rerun_config, variant_configs
+    from msds.bench.at_target import rerun_config
+    from msds.bench.variants import variant_configs
 
     bench = {"base": {**TINY_BENCH_BASE, "data": {"seq_len": 16, "path": str(train_corpus)}},
              "variants": {"baseline": {}, "vcycle": {
@@ -408,8 +414,8 @@ def test_a_target_at_a_phase_end_is_refused(train_corpus, tmp_path):
                  "multilevel": {"enabled": True, "levels": [{"hidden": 2, "heads": 2, "ffn": 2, "layers": 2}],
                                 "phase_steps": [4, 4, 8], "phase_warmup_steps": 1}}}}
     vcycle = variant_configs(bench, tmp_path, [], world_size=1)["vcycle"]
-    rerun = _rerun_config(vcycle, 12)     # inside the last phase
+    rerun = rerun_config(vcycle, 12)     # inside the last phase
     assert (rerun.training.exit_after_steps, rerun.checkpoint.resume) == (12, "never")
     assert rerun.run_dir == str(tmp_path / "vcycle" / "at-target") and vcycle.run_dir == str(tmp_path / "vcycle")
     with pytest.raises(ConfigError, match=r"^eval\.at: .* first reaches the target at step 4, where phase 0 ends"):
-        _rerun_config(vcycle, 4)
+        rerun_config(vcycle, 4)

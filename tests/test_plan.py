@@ -212,7 +212,7 @@ def test_bert_prototype_recipe_plans_the_v_cycles_benchmarks_measured(tmp_path):
     387 and 96-step-warmup tries) ran the first phase warmed up over all its 48 steps (the 96 / 384
     / 292 try over its 96); the recipe once gave it the base's 24, so reproducing the headline
     trained another run."""
-    from msds.bench import variant_configs
+    from msds.bench.variants import variant_configs
     from msds.config import load_yaml
 
     bench = load_yaml(REPO / "recipes" / "bench-bert-cpu-prototype-tuned.yaml")

@@ -1,5 +1,5 @@
 """The `eval:` section of a bench config: each variant's model evaluated on the same tasks, and
-whether a saving holds at equal quality.
+whether a saving holds at equal quality (msds/bench/report.py renders it beside the savings).
 
     eval:
       tasks: [heldout-ppl, cloze]     # any fields of msds.eval.run.EvalSettings
@@ -10,7 +10,7 @@ A variant is *at equal quality* when, on every task, its mean over the seeds is 
 the reference baseline's worst seed (the reference's seed spread, or better). Evaluated are the
 reference's final models and every variant outside the baseline sweep: its final model, or with
 `at: target` its model at the first full-size evaluation at or below the reference's final
-validation loss, the point its saving is counted at (msds/bench.py, `models_at_target`). Each
+validation loss, the point its saving is counted at (msds/bench/at_target.py). Each
 model's record is kept in eval.json beside it and reused while the settings and the weights are
 the same.
 """
@@ -103,45 +103,3 @@ def evaluate_bench(run_dirs: dict[str, dict[str, Path]], data_paths: dict[str, s
     values = {label: {name: evaluate_run(run_dir, data_paths[label], settings) for name, run_dir in dirs.items()}
               for label, dirs in run_dirs.items()}
     return quality(values, reference, settings)
-
-
-def eval_markdown(results: dict) -> str:
-    """The scores beside the FLOPs savings, and the equal-quality verdict, one row per variant."""
-    quality_record = results["eval"]
-    tasks = quality_record["tasks"]
-    header = " | ".join(f"{t} ({spec['metric']}, {'higher' if spec['higher_is_better'] else 'lower'} is better)"
-                        for t, spec in tasks.items())
-    lines = ["", "### downstream evaluation", "",
-             f"Mean (best..worst) over the seeds. At equal quality: every task's mean at least as good as the "
-             f"reference's (`{quality_record['reference']}`) worst seed. {_models_evaluated(quality_record)}", "",
-             f"| variant | {header} | FLOPs saving, mean / worst | at equal quality |",
-             "|---|" + "---|" * (len(tasks) + 2)]
-    for name, record in quality_record["variants"].items():
-        cells = " | ".join(f"{s['mean']:.4g} ({s['best']:.4g}..{s['worst']:.4g})" for s in record["tasks"].values())
-        saving = results["variants"][name]["flops_saving"]
-        pct = ["-" if x is None else f"{100 * x:.1f}%" for x in (saving["mean"], saving["worst"])]
-        verdict = "yes" if record["equal_quality"] else "no: " + ", ".join(record["worse_than_reference_spread"])
-        lines.append(f"| {name} | {cells} | {pct[0]} / {pct[1]} | {verdict} |")
-    return "\n".join(lines + _target_steps(quality_record)) + "\n"
-
-
-def _models_evaluated(quality_record: dict) -> str:
-    if quality_record.get("at") != "target":
-        return "Every model evaluated is its run's final model."
-    return ("The reference's models are its final ones; each variant's is its model at the first full-size "
-            "evaluation at or below the reference's final validation loss (the point its saving is counted "
-            "at; trained again to that step unless it is the run's last), listed below.")
-
-
-def _target_steps(quality_record: dict) -> list[str]:
-    """Per seed and variant: the step evaluated, and the rerun's validation loss there beside the
-    run's own (equal when the rerun reproduced the run)."""
-    at_target = quality_record.get("at_target")
-    if not at_target:
-        return []
-    lines = ["", "| seed | variant | step evaluated | val loss there: model evaluated / the run's |", "|---|---|---|---|"]
-    for label, records in at_target.items():
-        for name, entry in records.items():
-            step = "final (target not reached)" if entry["step"] is None else str(entry["step"])
-            lines.append(f"| {label} | {name} | {step} | {entry['val_loss']:.4f} / {entry['run_val_loss']:.4f} |")
-    return lines

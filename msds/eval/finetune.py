@@ -92,9 +92,8 @@ def glue_protocol(hf_dir: str, train, dev, special: dict[str, int], num_labels: 
 
 def grid_edge(best_lr: float, lrs) -> str | None:
     """'highest' or 'lowest' when the best rate of a grid of several is at its end, else None: then the
-    grid did not bracket the best rate (BENCHMARKS.md, "BERT: three more knobs on seed 2": on a grid
-    of 1e-4 and 3e-4 four BERTs all scored best at 3e-4, and 1e-3 raised the reference's sotu by 2.2
-    points)."""
+    grid did not bracket the best rate (docs/evaluation.md, "The learning-rate grid": a rate past the
+    grid's top scored higher still)."""
     if len(set(lrs)) < 2:
         return None
     if best_lr == max(lrs):

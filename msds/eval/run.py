@@ -54,14 +54,13 @@ class EvalSettings:
     dev_examples: int = 500
     """Fine-tuning dev examples per task (the first ones in the fixed order)."""
     epochs: int = 3
-    """Fine-tuning epochs. Three, as BERT's own GLUE fine-tuning: with one (32 steps of 16 on the
-    default 500 examples) the two prototype-scale BERTs measured both ways scored 6-21 points lower,
-    one at the majority class on spam (docs/evaluation.md, "Why three epochs")."""
+    """Fine-tuning epochs. Three, as BERT's own GLUE fine-tuning: one epoch (32 steps of 16 on the
+    default 500 examples) left prototype-scale BERTs under-trained (docs/evaluation.md, "Why three
+    epochs")."""
     lrs: list[float] = field(default_factory=lambda: [1e-4, 3e-4, 1e-3])
-    """The fine-tuning learning-rate grid. 1e-3 joined 1e-4 and 3e-4 when a prototype-scale BERT and
-    its V-cycle both scored best at 3e-4, the grid's top, on sotu, and 1e-3 raised them by 2.2 and 4.4
-    points (docs/evaluation.md, "The learning-rate grid"); a record notes a best rate at the grid's
-    end."""
+    """The fine-tuning learning-rate grid. 1e-3 joined 1e-4 and 3e-4 when prototype-scale BERTs
+    scored best at 3e-4, the grid's top, and higher still at 1e-3 (docs/evaluation.md, "The
+    learning-rate grid"); a record notes a best rate at the grid's end."""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """Fine-tuning seeds, each run at every learning rate."""
 

@@ -378,7 +378,8 @@ def _check_phase_steps(cfg: RunConfig, steps: list[int]) -> None:
 # Phase lengths as fractions of the baseline's budget, for one cycle of two levels: coalesce after
 # 10% of it, then 80% of its steps at half width and depth, each of which costs about a quarter of a
 # full-size step. With multilevel.phase_warmup_steps' default (48) this is the layout that met the
-# bar on every seed of both architectures against their swept baselines (docs/method.md §7.7);
+# bar on every seed of both architectures against their swept baselines (BENCHMARKS.md, "The
+# speedup at the prototype scale"; docs/method.md §7.7);
 # coalescing after 20% saved less there, and with a 10-step re-warmup coalescing after 10% left
 # one BERT seed on the unigram plateau (§7.5).
 DEFAULT_PHASE_FRACTIONS = (0.1, 0.8)

@@ -144,7 +144,7 @@ def _plans(args, world: int) -> dict[str, RunPlan]:
     data = load_yaml(args.config) if args.config else {}
     if "variants" not in data:
         return {"": build_plan(load_run_config(args.config, args.overrides), world)}
-    from msds.bench import variant_configs
+    from msds.bench.variants import variant_configs
 
     configs = variant_configs(data, Path("bench_out"), args.overrides, world)
     return {name: build_plan(cfg, world) for name, cfg in configs.items()}

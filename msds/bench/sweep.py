@@ -1,7 +1,7 @@
 """The bench's baseline sweep as a grid, and whether its reference is an interior optimum.
 
 The grid is schedules (`baseline_schedule_sweep`) x learning-rate factors (`baseline_lr_sweep`) x
-warmup lengths (`baseline_warmup_sweep`); msds/bench.py trains every member and takes the one with
+warmup lengths (`baseline_warmup_sweep`); msds/bench/run.py trains every member and takes the one with
 the lowest mean final validation loss as the reference. A reference at the edge of a numeric
 dimension (the learning rate, the warmup) may be beaten by a member the grid did not run, so a
 saving against it may be a saving against an untuned baseline: `interior` says so per dimension.
@@ -20,7 +20,8 @@ ORDERED = ("lr_factor", "warmup_steps")
 
 def schedule_options(bench: dict, optimizer: dict) -> list[dict]:
     """The swept schedules, each a complete {schedule, min_lr_ratio, decay_fraction} (fields not
-    given are the baseline's own); without `baseline_schedule_sweep`, only the baseline's own."""
+    given are the baseline's own), with `lr_factors` where an entry sweeps its own rate factors
+    instead of baseline_lr_sweep's; without `baseline_schedule_sweep`, only the baseline's own."""
     defaults = OptimizerConfig()
     own = {key: optimizer.get(key, getattr(defaults, key)) for key in SCHEDULE_KEYS}
     entries = bench.get("baseline_schedule_sweep") or []
@@ -29,10 +30,11 @@ def schedule_options(bench: dict, optimizer: dict) -> list[dict]:
                           f"mappings, got {entries!r}")
     options = []
     for i, entry in enumerate(entries):
-        unknown = sorted(set(entry) - set(SCHEDULE_KEYS)) if isinstance(entry, dict) else ["(not a mapping)"]
+        unknown = sorted(set(entry) - set(SCHEDULE_KEYS) - {"lr_factors"}) if isinstance(entry, dict) \
+            else ["(not a mapping)"]
         if unknown:
             raise ConfigError(f"baseline_schedule_sweep[{i}]: {unknown[0]} is not a schedule field; give "
-                              f"{', '.join(SCHEDULE_KEYS)}")
+                              f"{', '.join(SCHEDULE_KEYS)} (and lr_factors, this schedule's own rate factors)")
         options.append({**own, **entry})
     return options or [own]
 
@@ -53,15 +55,24 @@ def grid(bench: dict, optimizer: dict, factors: list[float], warmups: list[int],
     own = schedule_label(own_option)
     members = {prefix: {"coords": {"schedule": own, "lr_factor": 1.0, "warmup_steps": warmup},
                         "optimizer": {**own_option, "lr": lr, "warmup_steps": warmup}}}
-    for option, factor, steps in itertools.product(schedule_options(bench, optimizer), factors, warmups):
-        label = schedule_label(option)
-        name = prefix + (f"-{label}" if label != own else "") + (f"-lr{factor:g}x" if factor != 1 else "") + \
-            (f"-wu{steps}" if steps != warmup else "")
-        if name in members and name != prefix:
-            raise ConfigError(f"baseline_schedule_sweep: two entries give the schedule {label}; list each once")
-        members[name] = {"coords": {"schedule": label, "lr_factor": factor, "warmup_steps": steps},
-                         "optimizer": {**option, "lr": lr * factor, "warmup_steps": steps}}
+    for option, steps in itertools.product(schedule_options(bench, optimizer), warmups):
+        option = dict(option)
+        for factor in option.pop("lr_factors", factors):
+            _add_member(members, option, factor, steps, (prefix, own, lr, warmup))
     return members
+
+
+def _add_member(members: dict, option: dict, factor: float, steps: int, baseline: tuple) -> None:
+    """The grid's member of schedule `option`, rate factor and warmup `steps`, named after what
+    differs from the baseline's own (prefix, schedule label, peak lr, warmup)."""
+    prefix, own, lr, warmup = baseline
+    label = schedule_label(option)
+    name = prefix + (f"-{label}" if label != own else "") + (f"-lr{factor:g}x" if factor != 1 else "") + \
+        (f"-wu{steps}" if steps != warmup else "")
+    if name in members and name != prefix:
+        raise ConfigError(f"baseline_schedule_sweep: two entries give the schedule {label}; list each once")
+    members[name] = {"coords": {"schedule": label, "lr_factor": factor, "warmup_steps": steps},
+                     "optimizer": {**option, "lr": lr * factor, "warmup_steps": steps}}
 
 
 def _neighbour(coords: dict[str, dict], reference: str, dim: str, side: int) -> Optional[str]:

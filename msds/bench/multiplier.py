@@ -17,6 +17,8 @@ import statistics
 from pathlib import Path
 
 from msds.config import ConfigError, RunConfig
+from msds.plan import build_plan
+from msds.train.metrics import read_metrics
 
 
 def check_factors(bench: dict) -> list[float]:
@@ -36,8 +38,6 @@ def longer_configs(reference: RunConfig, reference_name: str, factors: list[floa
                    seed_dir: Path) -> dict[str, RunConfig]:
     """The reference's config at each budget factor: its steps scaled (rounded), everything else
     as tuned, in <seed_dir>/<reference>-budget<f>x."""
-    from msds.plan import build_plan
-
     configs = {}
     for factor in factors:
         cfg = copy.deepcopy(reference)
@@ -68,6 +68,20 @@ def multiplier(curve: list[tuple[float, float]], loss: float) -> dict:
     return {"k": None, "text": f"> {largest:g}"}
 
 
+def multipliers(seed_dirs: dict[str, Path], per_seed: dict, longer: dict[str, dict[str, RunConfig]],
+                names: list[str], factors: list[float]) -> dict:
+    """Each variant's k in every seed (per_seed: label -> saving.SeedResult), on the curve of the
+    reference's final loss at 1x and at each budget factor (the `longer` runs of that seed)."""
+    curves, ks = {}, {}
+    for label, seed in per_seed.items():
+        reference = seed.variants[seed.reference]
+        finals = [read_metrics(seed_dirs[label] / name, "eval")[-1] for name in longer[label]]
+        curves[label] = [(reference.total_flops, reference.final_val_loss)] + \
+            [(last["flops"], last["val_loss"]) for last in finals]
+        ks[label] = {name: multiplier(curves[label], seed.variants[name].final_val_loss) for name in names}
+    return {"factors": factors, "curves": curves, "variants": aggregate(ks, names)}
+
+
 def aggregate(per_seed: dict[str, dict[str, dict]], names: list[str]) -> dict[str, dict]:
     """Per variant: each seed's k, and the mean and worst (smallest) when every seed has a number."""
     out = {}
@@ -88,8 +102,7 @@ def text(entry: dict) -> str:
     return "per seed " + ", ".join(entry["per_seed"])
 
 
-def markdown(results: dict) -> str:
-    m = results["multiplier"]
+def markdown(m: dict) -> str:
     lines = [f"Compute multiplier: the reference trained again at {', '.join(f'{f:g}x' for f in m['factors'])} its "
              f"steps (each with its own full schedule); k = the FLOPs the baseline needs to end at a variant's final "
              f"loss, in multiples of its 1x run (interpolated in log FLOPs, not extrapolated).", "",
