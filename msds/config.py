@@ -334,7 +334,7 @@ class OptimizerConfig:
     `decay_fraction` of the run. A V-cycle under `wsd` wants `multilevel.lr_schedule: run`: its
     smaller levels then train in the stable stretch and the decay ends the run at full size (the
     plan refuses a decay that would start before the last, full-size phase). How the schedules
-    compare, and how the saving moves with the budget: BENCHMARKS.md, "Saving vs size and budget"."""
+    compare, and how the saving moves with the budget: BENCHMARKS.md, "Against size and budget"."""
     decay_fraction: float = 0.2
     """`schedule: wsd` only: the share of the run's steps (of each phase's, under
     `multilevel.lr_schedule: phase`) over which the rate decays at the end, in (0, 1]; the warmup
