@@ -333,9 +333,21 @@ class OptimizerConfig:
     lr: float = 1e-3
     """Peak learning rate of the full-size model (level 1)."""
     min_lr_ratio: float = 0.1
-    """The cosine decay of each phase ends at this fraction of the phase's peak."""
+    """The decay (`schedule`) ends at this fraction of the peak, 0 to 1 (0: decay to zero)."""
     warmup_steps: int = 20
     """Linear warmup at the start of the run (and of each phase: `multilevel.phase_warmup_steps`)."""
+    schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    """The learning rate after the warmup: `cosine` or `linear` decay from the peak to min_lr_ratio
+    of it over the rest of the run (or phase, under `multilevel.lr_schedule: phase`); `wsd`
+    (warmup-stable-decay): the peak held, then a linear decay to min_lr_ratio over the last
+    `decay_fraction` of the run. A V-cycle under `wsd` wants `multilevel.lr_schedule: run`: its
+    smaller levels then train in the stable stretch and the decay ends the run at full size (the
+    plan refuses a decay that would start before the last, full-size phase). How the schedules
+    compare, and how the saving moves with the budget: BENCHMARKS.md, "Against size and budget"."""
+    decay_fraction: float = 0.2
+    """`schedule: wsd` only: the share of the run's steps (of each phase's, under
+    `multilevel.lr_schedule: phase`) over which the rate decays at the end, in (0, 1]; the warmup
+    must end before the decay starts."""
     weight_decay: float = 0.01
     """Decoupled weight decay on weight matrices (not on biases, norms)."""
     beta1: float = 0.9
@@ -465,9 +477,11 @@ class MultilevelConfig:
     less or missed the reference's loss (BENCHMARKS.md, "The speedup at the prototype scale";
     docs/method.md §7.7). A run at another budget sets its own."""
     lr_schedule: Literal["phase", "run"] = "phase"
-    """`phase`: every phase warms up to its level's peak and decays (cosine) over its own steps.
-    `run`: one cosine over the whole run, as the baseline's, scaled by each level's peak relative to
-    optimizer.lr; after a transition the LR warms up to that curve over phase_warmup_steps."""
+    """`phase`: every phase warms up to its level's peak and decays (optimizer.schedule) over its
+    own steps. `run`: one schedule over the whole run, as the baseline's, scaled by each level's
+    peak relative to optimizer.lr; after a transition the LR warms up to that curve over
+    phase_warmup_steps. Under `optimizer.schedule: wsd` the decay must fall within the last,
+    full-size phase."""
     shards: int = 0
     """Group heads and FFN inside each of this many contiguous shards (docs/method.md §2.3, shard-local
     grouping); 0 = the tensor-parallel size, so transitions need no tensor-parallel communication.

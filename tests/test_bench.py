@@ -49,7 +49,7 @@ def test_minimal_bench_results(train_corpus, tmp_path):
     results = run_bench(write(tmp_path, MINIMAL), out, [f"data.path={train_corpus}"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results.to_json()))
-    assert set(on_disk) == {"config", "reference", "baseline_sweep", "variants", "per_seed", "headline"}
+    assert set(on_disk) == {"config", "reference", "baseline_sweep", "sweep_check", "variants", "per_seed", "headline"}
     assert on_disk["headline"].startswith(("vcycle reaches the baseline", "no variant reaches the baseline"))
     assert (out / "results.md").read_text().startswith(f"**{on_disk['headline']}**")
     assert on_disk["reference"] == "baseline" and list(on_disk["per_seed"]) == ["config"]

@@ -182,7 +182,7 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     the LayerToken schedule's warmup and decay lag the step-based schedule and meet it at the end."""
     from msds.config import load_run_config
     from msds.plan import build_plan
-    from msds.plan.schedule import lr_multiplier
+    from msds.plan.schedule import Decay, lr_multiplier
 
     ds = json.loads(open("ds_configs/zero1.json").read())
     ds.update(copy.deepcopy(DS_LTD))
@@ -195,8 +195,9 @@ def test_layer_token_lr_schedule_advances_with_layer_tokens(tmp_path, train_corp
     plan = build_plan(cfg)
     phase = plan.phases[0]
     by_layer_tokens = plan.lr_curves[0]
-    assert by_layer_tokens(10) < lr_multiplier(phase, 10, cfg.optimizer.min_lr_ratio)
-    assert by_layer_tokens(100) == pytest.approx(lr_multiplier(phase, 100, cfg.optimizer.min_lr_ratio))
+    cosine = Decay("cosine", cfg.optimizer.min_lr_ratio)
+    assert by_layer_tokens(10) < lr_multiplier(phase, 10, cosine)
+    assert by_layer_tokens(100) == pytest.approx(lr_multiplier(phase, 100, cosine))
 
 
 def test_layer_token_lr_schedule_under_one_run_long_cosine(tmp_path):
@@ -205,7 +206,7 @@ def test_layer_token_lr_schedule_under_one_run_long_cosine(tmp_path):
     levels, with fewer layers, move it less per step), and meets the step clock at the end of the run."""
     from msds.config import load_run_config
     from msds.plan import build_plan
-    from msds.plan.schedule import Phase, lr_multiplier
+    from msds.plan.schedule import Decay, Phase, lr_multiplier
 
     ds = json.loads(open("ds_configs/zero1.json").read())
     ds.update(copy.deepcopy(DS_LTD))
@@ -227,7 +228,7 @@ def test_layer_token_lr_schedule_under_one_run_long_cosine(tmp_path):
         for k in range(phase.steps):
             rewarm = 1.0 if phase.index == 0 else min(1.0, (k + 1) / phase.warmup_steps)
             clock = consumed[phase.start_step + k] / consumed[-1] * total
-            assert curve(k) == pytest.approx(rewarm * lr_multiplier(whole_run, clock, cfg.optimizer.min_lr_ratio))
+            assert curve(k) == pytest.approx(rewarm * lr_multiplier(whole_run, clock, Decay("cosine", 0.1)))
     assert plan.routed_layers(1) == (1, 2) and plan.routed_layers(2) == plan.routed_layers(3) == ()
     assert plan.lr_curves[2](3) != pytest.approx(by_steps.lr_curves[2](3))    # not the step clock
     last = plan.phases[-1]

@@ -12,6 +12,15 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
   `baseline-lr2x`, `baseline-lr2x-wu48`, ...; the recipe's own setting stays `baseline`). The member
   with the lowest mean final validation loss over the seeds is the *reference*: a saving against an
   untuned baseline is not a saving.
+- `baseline_schedule_sweep: [{schedule: cosine, min_lr_ratio: 0.1}, {schedule: linear, min_lr_ratio: 0},
+  {schedule: wsd, min_lr_ratio: 0, decay_fraction: 0.2}]`: the sweep's grid also runs over these
+  schedules (optimizer.schedule and its fields; names gain e.g. `-linear0`, `-wsd0-d0.2` where the
+  schedule is not the baseline's own). The report says whether the reference is an interior optimum
+  (along the learning rate and the warmup, where more than one value was swept, both neighbours
+  were run and ended worse) and warns loudly when it sits at a grid edge (msds/bench/sweep.py).
+- `reference_budgets: [1.5, 2]`: the reference is also trained at these multiples of its steps, each
+  with its own full schedule, and each other variant gets its compute multiplier k: the FLOPs the
+  baseline needs to end at the variant's final loss, in multiples of its own (msds/bench/multiplier.py).
 - `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
   outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
   savings and says which variants are at equal quality; the headline then names the largest saving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from msds.bench import multiplier, sweep
 from msds.bench.saving import BenchResults, SeedResult, VariantRun, VariantSummary
 from msds.bench.variants import CONFIG_SEEDS
 
@@ -112,6 +113,10 @@ def markdown(results: BenchResults) -> str:
                      f"{_pct(a.flops_saving.mean)} / {_pct(a.flops_saving.worst)} | "
                      f"{_pct(a.wallclock_saving.mean)} / {_pct(a.wallclock_saving.worst)}{_load_note(a)} | "
                      f"{', '.join(a.missed_in_seeds) or 'none'} |")
+    if results.sweep_check is not None:
+        lines += ["", sweep.markdown(results.sweep_check).rstrip("\n")]
+    if results.multiplier is not None:
+        lines += ["", multiplier.markdown(results.multiplier).rstrip("\n")]
     for seed in seeds:
         title = "### runs" if seed == CONFIG_SEEDS else f"### seed {seed}"
         lines += ["", title, "", seed_table(results.per_seed[seed])]

@@ -1,5 +1,6 @@
-"""`run_bench`: every variant trained for every seed, the reference chosen, the savings computed,
-the downstream evaluation run, and results.json, results.md and the plots written."""
+"""`run_bench`: every variant trained for every seed, the reference chosen (and checked to be an
+interior optimum of the sweep, and trained at larger budgets for the compute multiplier), the
+savings computed, the downstream evaluation run, and results.json, results.md and the plots written."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,13 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from msds.bench import multiplier, sweep
 from msds.bench.at_target import models_at_target
 from msds.bench.plots import plot
 from msds.bench.report import headline, results_markdown
 from msds.bench.saving import BenchResults, SeedResult, aggregate, best_baseline, summarize
 from msds.bench.training import train_missing
-from msds.bench.variants import BASELINE, CONFIG_SEEDS, bench_seeds, sweep_variants, variant_configs
+from msds.bench.variants import BASELINE, CONFIG_SEEDS, bench_seeds, sweep_grid, sweep_variants, variant_configs
 from msds.config import ConfigError, RunConfig, load_yaml
 from msds.distributed import launched_world_size
 from msds.eval.bench import bench_eval_settings, evaluate_bench
@@ -79,9 +81,10 @@ def _write(results: BenchResults, out_dir: Path) -> None:
     """results.json, results.md and the plots; the headline and the table printed."""
     (out_dir / "results.json").write_text(json.dumps(results.to_json(), indent=1))
     table = results_markdown(results)
-    (out_dir / "results.md").write_text(f"**{results.headline}**\n\n{table}")
+    edge = sweep.warning(results.sweep_check) if results.sweep_check is not None else ""
+    (out_dir / "results.md").write_text(f"**{results.headline}**\n\n" + (f"**{edge}**\n\n" if edge else "") + table)
     plots = plot(results, out_dir)
-    print(f"bench: {results.headline}\n")
+    print(f"bench: {results.headline}\n" + (f"bench: {edge}\n" if edge else ""))
     print(table)
     print(f"results: {out_dir / 'results.json'}; plots: {', '.join(str(p) for p in plots)}", flush=True)
 
@@ -96,6 +99,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     _check_jobs(jobs)
     bench = _load_bench(config_path, eval_at)
     seed_list = bench_seeds(bench, seeds)
+    budget_factors = multiplier.check_factors(bench)
     seed_dirs = {(CONFIG_SEEDS if s is None else str(s)): out_dir if s is None else out_dir / f"seed{s}"
                  for s in seed_list}
     configs = {label: variant_configs(bench, seed_dirs[label], list(overrides), seed=s)
@@ -105,11 +109,19 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     _check_eval_at(eval_settings)
     names = _selected(list(next(iter(configs.values()))), only, members, config_path)
     train_missing({label: {n: c[n] for n in names} for label, c in configs.items()}, seed_dirs, jobs)
+    reference, means = best_baseline(list(seed_dirs.values()), members)
+    longer = {label: multiplier.longer_configs(c[reference], reference, budget_factors, seed_dirs[label])
+              for label, c in configs.items()}
+    train_missing(longer, seed_dirs, jobs)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    reference, sweep = best_baseline(list(seed_dirs.values()), members)
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
-    results = BenchResults(str(config_path), reference, sweep, aggregate(per_seed, names), per_seed)
+    results = BenchResults(str(config_path), reference, means, aggregate(per_seed, names), per_seed)
+    coords = {name: member["coords"] for name, member in sweep_grid(bench, list(overrides)).items()}
+    results.sweep_check = sweep.interior(coords, means, reference)
+    if budget_factors:
+        results.multiplier = multiplier.multipliers(seed_dirs, per_seed, longer,
+                                                    [n for n in names if n not in members], budget_factors)
     if eval_settings is not None:
         results.eval = _evaluate(configs, seed_dirs, per_seed, [n for n in names if n not in members], reference,
                                  eval_settings, jobs)

@@ -166,6 +166,8 @@ class BenchResults:
     per_seed: dict[str, SeedResult]
     eval: Optional[dict] = None
     headline: str = ""
+    sweep_check: Optional[dict] = None      # msds/bench/sweep.py `interior`: is the reference an interior optimum
+    multiplier: Optional[dict] = None       # msds/bench/multiplier.py, with reference_budgets
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if not (k == "eval" and v is None)}
+        return {k: v for k, v in asdict(self).items() if not (k in ("eval", "sweep_check", "multiplier") and v is None)}

@@ -38,15 +38,30 @@ def _first_difference(stored: dict, record: dict, prefix: str = "") -> str:
     return ""
 
 
+def _with_new_fields(stored: dict, defaults: dict) -> dict:
+    """A record written before some config fields existed, with those fields at their defaults:
+    every field added since keeps, at its default, the behaviour from before it (e.g.
+    optimizer.schedule: cosine), so an earlier run stays reusable."""
+    out = dict(stored)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_new_fields(out[key], value)
+    return out
+
+
 def _stored_record(run_dir: Path) -> Optional[tuple[dict, bool]]:
     """What a run directory says it computes, and whether it finished: a finished run's summary.json,
-    else the config.yaml a started run wrote (its checkpoints are what a new start would resume)."""
+    else the config.yaml a started run wrote (its checkpoints are what a new start would resume);
+    fields added to the config since, at their defaults."""
     done, started = run_dir / SUMMARY_FILE, run_dir / "config.yaml"
+    defaults = config_record(RunConfig())
     if done.is_file():
-        return json.loads(done.read_text())["config"], True
+        return _with_new_fields(json.loads(done.read_text())["config"], defaults), True
     if started.is_file():
         record = json.loads(json.dumps(load_yaml(started)))
-        return {k: v for k, v in record.items() if k != "run_dir"}, False
+        return _with_new_fields({k: v for k, v in record.items() if k != "run_dir"}, defaults), False
     return None
 
 

@@ -1,12 +1,12 @@
 """A bench config read into run configs: the shared `base`, the `variants`, the baseline's
-learning-rate / warmup sweep and the seeds; every run checked to be a fair comparison."""
+sweep (schedules x learning rates x warmups) and the seeds; every run checked to be a fair comparison."""
 from __future__ import annotations
 
 import copy
-import itertools
 from pathlib import Path
 from typing import Optional
 
+from msds.bench import sweep
 from msds.config import (ConfigError, OptimizerConfig, RunConfig, parse_overrides, run_config_from_dict,
                          set_by_path)
 from msds.distributed import launched_world_size
@@ -14,7 +14,8 @@ from msds.plan import build_plan
 
 BASELINE = "baseline"
 CONFIG_SEEDS = "config"      # the label of a bench run without seeds: the config's own training.seed, data.seed
-BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep", "eval")
+BENCH_KEYS = ("base", "variants", "seeds", "baseline_lr_sweep", "baseline_warmup_sweep", "baseline_schedule_sweep",
+              "reference_budgets", "eval")
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -25,10 +26,6 @@ def _merge(base: dict, overrides: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _factor_name(value: float) -> str:
-    return f"{value:g}"
 
 
 def _numbers(bench: dict, key: str, kind: type) -> list:
@@ -51,22 +48,22 @@ def _base(bench: dict, overrides: list[str], seed: Optional[int]) -> dict:
     return base
 
 
-def sweep_variants(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
-    """The baseline sweep: name -> the full run data of each member. The grid is learning-rate factors
-    (of the baseline variant's own peak lr) x warmup lengths; the recipe's own setting is `baseline`."""
+def sweep_grid(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
+    """The baseline sweep (msds/bench/sweep.py): name -> {coords, optimizer} of each member. The grid
+    is schedules x learning-rate factors (of the baseline variant's own peak lr) x warmup lengths;
+    the recipe's own setting is `baseline`."""
     baseline = _merge(_base(bench, list(overrides), None), (bench.get("variants") or {}).get(BASELINE) or {})
     optimizer = baseline.get("optimizer") or {}
-    defaults = OptimizerConfig()
-    lr, warmup = optimizer.get("lr", defaults.lr), optimizer.get("warmup_steps", defaults.warmup_steps)
+    warmup = optimizer.get("warmup_steps", OptimizerConfig().warmup_steps)
     factors = _numbers(bench, "baseline_lr_sweep", float) or [1.0]
     warmups = _numbers(bench, "baseline_warmup_sweep", int) or [warmup]
-    members = {BASELINE: {}}
-    for factor, steps in itertools.product(factors, warmups):
-        name = BASELINE + (f"-lr{_factor_name(factor)}x" if factor != 1 else "") + \
-            (f"-wu{steps}" if steps != warmup else "")
-        if name != BASELINE:
-            members[name] = {"optimizer": {"lr": lr * factor, "warmup_steps": steps}}
-    return members
+    return sweep.grid(bench, optimizer, factors, warmups, BASELINE)
+
+
+def sweep_variants(bench: dict, overrides: list[str] = ()) -> dict[str, dict]:
+    """The baseline sweep: name -> the changes of each member to the baseline variant."""
+    return {name: {} if name == BASELINE else {"optimizer": member["optimizer"]}
+            for name, member in sweep_grid(bench, overrides).items()}
 
 
 def bench_seeds(bench: dict, cli_seeds: Optional[list[int]]) -> list[Optional[int]]:

@@ -24,7 +24,7 @@ from msds.model.roles import expected_shapes
 from msds.multilevel.operators import LevelMap, check_alpha, plan_level
 from msds.plan import random_ltd as random_ltd_config
 from msds.plan.random_ltd import RandomLTD
-from msds.plan.schedule import LayerTokenCurve, Phase, PhaseCurve, RunCurve, flops_per_sample
+from msds.plan.schedule import Decay, LayerTokenCurve, Phase, PhaseCurve, RunCurve, flops_per_sample
 from msds.resources import ds_configs_dir, ds_template, ds_template_names
 
 
@@ -52,6 +52,7 @@ class RunPlan:
     level_maps: tuple[LevelMap, ...]         # level_maps[k - 1] turns level k into level k + 1
     phases: tuple[Phase, ...]
     lr_curves: tuple[Callable[[int], float], ...]   # per phase: step in phase -> multiplier of peak_lr
+    lr_milestones: tuple[int, ...]           # global steps where a warmup ends or a decay starts
     random_ltd: Optional[RandomLTD]
     ds_template: str                         # the DeepSpeed JSON, random-LTD section removed
     baseline_steps: int                      # the run without multi-level training: budget_steps or as many steps
@@ -128,6 +129,11 @@ class RunPlan:
         """The run without multi-level training: `baseline_steps` at level 1."""
         return self.steps_flops(1, 0, self.baseline_steps)
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of global step `step` (0-based), as the phase's engine applies it."""
+        phase = next(p for p in self.phases if p.start_step <= step < p.end_step)
+        return phase.peak_lr * self.lr_curves[phase.index](step - phase.start_step)
+
     # -- DeepSpeed --------------------------------------------------------------------------
 
     def ds_config(self, phase: Phase) -> dict:
@@ -171,8 +177,10 @@ def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
     _name_derived_values(cfg, phases)
     ds = _fill_ds_config(template, cfg, layout)
     plan = RunPlan(config=cfg, layout=layout, levels=levels, level_maps=tuple(maps), phases=tuple(phases),
-                   lr_curves=(), random_ltd=ltd, ds_template=json.dumps(ds), baseline_steps=baseline_steps)
-    return dataclasses.replace(plan, lr_curves=_lr_curves(plan))
+                   lr_curves=(), lr_milestones=(), random_ltd=ltd, ds_template=json.dumps(ds),
+                   baseline_steps=baseline_steps)
+    curves, milestones = _lr_curves(plan)
+    return dataclasses.replace(plan, lr_curves=curves, lr_milestones=milestones)
 
 
 def _name_derived_values(cfg: RunConfig, phases: list[Phase]) -> None:
@@ -241,6 +249,7 @@ def _check_fields(cfg: RunConfig) -> None:
     _check_data(cfg)
     if cfg.training.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"training.zero_stage: must be 0, 1, 2 or 3, got {cfg.training.zero_stage}")
+    _check_decay_fields(cfg)
     name = cfg.training.exit_signal
     if name and not (name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)):
         raise ConfigError(f"training.exit_signal: {name!r} is not a signal name (e.g. SIGUSR1, SIGTERM); "
@@ -259,6 +268,17 @@ def _check_guards(training) -> None:
                           f"multiple above 1 of the recent mean loss, or 0 to turn spike checks off")
     if training.spike_window < 1:
         raise ConfigError(f"training.spike_window: must be positive, got {training.spike_window}")
+
+
+def _check_decay_fields(cfg: RunConfig) -> None:
+    o = cfg.optimizer
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1] (a fraction of the peak), got {o.min_lr_ratio}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps: must be 0 or more, got {o.warmup_steps}")
+    if o.schedule == "wsd" and not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optimizer.decay_fraction: must be in (0, 1] (the share of the run that decays), "
+                          f"got {o.decay_fraction}")
 
 
 def _check_parallel_options(cfg: RunConfig) -> None:
@@ -486,19 +506,66 @@ def _transition_flops(larger: ModelConfig, data_parallel: int) -> float:
     return 10 * sum(math.prod(s) for s in expected_shapes(larger).values()) * data_parallel
 
 
-def _lr_curves(plan: RunPlan) -> tuple[Callable[[int], float], ...]:
-    """Each phase's learning-rate curve: its own warmup and cosine, or (`lr_schedule: run`) its part
-    of one run-long cosine; on random-LTD's LayerToken clock when layer_token_lr_schedule is on."""
+def _lr_curves(plan: RunPlan) -> tuple[tuple[Callable[[int], float], ...], tuple[int, ...]]:
+    """Each phase's learning-rate curve: its own warmup and decay, or (`lr_schedule: run`) its part
+    of one run-long schedule; on random-LTD's LayerToken clock when layer_token_lr_schedule is on.
+    With them, the global steps at which a warmup ends and a decay starts (for `msds plan`)."""
     cfg = plan.config
-    min_ratio = cfg.optimizer.min_lr_ratio
+    decay = Decay(cfg.optimizer.schedule, cfg.optimizer.min_lr_ratio, cfg.optimizer.decay_fraction)
     layer_tokens = plan.random_ltd is not None and plan.random_ltd.layer_token_lr
-    if cfg.multilevel.enabled and cfg.multilevel.lr_schedule == "run":
+    if run_long_schedule(cfg):
         whole_run = Phase(0, 1, plan.total_steps, 0, cfg.optimizer.lr, cfg.optimizer.warmup_steps)
+        _check_wsd_run(plan, decay, whole_run)
         consumed = _consumed_layer_tokens(plan, plan.phases) if layer_tokens else None
-        return tuple(RunCurve(phase, whole_run, min_ratio, consumed) for phase in plan.phases)
+        return (tuple(RunCurve(phase, whole_run, decay, consumed) for phase in plan.phases),
+                _milestones(decay, [whole_run], plan.phases[1:]))
+    for phase in plan.phases:
+        _check_decay_after_warmup(decay, phase, "the run" if not plan.multilevel else f"phase {phase.index}")
+    milestones = _milestones(decay, plan.phases)
     if not layer_tokens:
-        return tuple(PhaseCurve(phase, min_ratio) for phase in plan.phases)
-    return tuple(LayerTokenCurve(phase, min_ratio, _consumed_layer_tokens(plan, [phase])) for phase in plan.phases)
+        return tuple(PhaseCurve(phase, decay) for phase in plan.phases), milestones
+    return (tuple(LayerTokenCurve(phase, decay, _consumed_layer_tokens(plan, [phase])) for phase in plan.phases),
+            milestones)
+
+
+def _milestones(decay: Decay, decaying, rewarming=()) -> tuple[int, ...]:
+    """Global steps (on the step clock) where each decaying span's warmup ends and its decay starts,
+    and where each re-warming phase of a run-long schedule rejoins it."""
+    steps = {p.start_step + p.warmup_steps for p in rewarming}
+    for span in decaying:
+        steps.add(span.start_step + span.warmup_steps)
+        steps.add(span.start_step + decay.decay_start(span.steps, span.warmup_steps))
+    return tuple(sorted(steps))
+
+
+def run_long_schedule(cfg: RunConfig) -> bool:
+    """Whether one learning-rate schedule spans the whole run (a V-cycle with lr_schedule: run)."""
+    return cfg.multilevel.enabled and cfg.multilevel.lr_schedule == "run"
+
+
+def _check_decay_after_warmup(decay: Decay, span: Phase, what: str) -> None:
+    start = decay.decay_start(span.steps, span.warmup_steps)
+    if start < span.warmup_steps:
+        raise ConfigError(f"optimizer.decay_fraction: {decay.fraction} of the {span.steps} steps of {what} starts the "
+                          f"decay at step {start}, inside its {span.warmup_steps}-step warmup; use a decay_fraction "
+                          f"of at most {(span.steps - span.warmup_steps) / span.steps:.3f} or a shorter warmup")
+
+
+def _check_wsd_run(plan: RunPlan, decay: Decay, whole_run: Phase) -> None:
+    """Under a run-long warmup-stable-decay the smaller levels train in the stable stretch: the decay
+    must start within the last phase, at full size, so that it ends the run as the baseline's does."""
+    if decay.shape != "wsd":
+        return
+    _check_decay_after_warmup(decay, whole_run, "the run")
+    last = plan.phases[-1]
+    start = decay.decay_start(whole_run.steps, whole_run.warmup_steps)
+    if start < last.start_step:
+        raise ConfigError(f"optimizer.decay_fraction: {decay.fraction} of the V-cycle's {whole_run.steps} steps starts "
+                          f"the decay at step {start}, before its last phase at full size (steps {last.start_step}-"
+                          f"{last.end_step}), so a smaller level or a transition would fall in the decay; use a "
+                          f"decay_fraction of at most {math.floor(1000 * last.steps / whole_run.steps) / 1000:.3f} "
+                          f"(the last phase's share of the run) or lengthen the last phase "
+                          f"(multilevel.phase_steps / phase_fractions)")
 
 
 def _consumed_layer_tokens(plan: RunPlan, phases) -> tuple[float, ...]:

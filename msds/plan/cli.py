@@ -4,7 +4,9 @@
 
 Prints, per phase, the level, model shape, parameters, steps, peak learning rate, FLOPs and an
 estimate of memory per rank (weights, gradients, optimizer state at the chosen ZeRO stage; see
-msds/plan/memory.py for what is and is not counted), then the totals and the FLOPs ratio to the same
+msds/plan/memory.py for what is and is not counted), the learning-rate curve (its value at a
+handful of steps of each phase: ends, quarters, each side of a warmup's end and a decay's start),
+then the totals and the FLOPs ratio to the same
 run without multi-level training. Any config `msds train` would refuse, including a layout that
 does not fit the world size, ends with one error line and exit status 2. What depends on this
 machine (prepared data, the accelerator's precisions) is checked too and reported as a note, since
@@ -21,7 +23,7 @@ from pathlib import Path
 from msds.config import ConfigError, load_run_config, load_yaml
 from msds.errors import MsdsError
 from msds.plan import memory
-from msds.plan.build import RunPlan, build_plan, check_environment
+from msds.plan.build import RunPlan, build_plan, check_environment, run_long_schedule
 
 
 def _shape(plan: RunPlan, level: int) -> str:
@@ -50,6 +52,23 @@ def _saved_host(plan: RunPlan, phase_index: int) -> float:
                for k in range(1, level))
 
 
+def lr_points(plan: RunPlan, phase) -> list[tuple[int, float]]:
+    """(global step, learning rate) at a handful of the phase's steps: its first and last, its
+    quarters, and each side of every warmup end and decay start that falls in it."""
+    first, last = phase.start_step, phase.end_step - 1
+    steps = {first, last, *(first + k * phase.steps // 4 for k in (1, 2, 3))}
+    for milestone in plan.lr_milestones:
+        steps.update({milestone - 1, milestone})
+    return [(s, plan.lr_at(s)) for s in sorted(steps) if first <= s <= last]
+
+
+def _schedule(plan: RunPlan) -> dict:
+    o = plan.config.optimizer
+    return {"shape": o.schedule, "min_lr_ratio": o.min_lr_ratio, "warmup_steps": o.warmup_steps,
+            **({"decay_fraction": o.decay_fraction} if o.schedule == "wsd" else {}),
+            "span": "run" if run_long_schedule(plan.config) or not plan.multilevel else "phase"}
+
+
 def summary(plan: RunPlan) -> dict:
     cfg, lay = plan.config, plan.layout
     phases = []
@@ -61,14 +80,15 @@ def summary(plan: RunPlan) -> dict:
                        "flops": plan.phase_flops(phase),
                        "memory_per_rank_bytes": {"weights": state.weights, "gradients": state.gradients,
                                                  "optimizer": state.optimizer, "total": state.total},
-                       "saved_levels_host_bytes": _saved_host(plan, phase.index)})
+                       "saved_levels_host_bytes": _saved_host(plan, phase.index),
+                       "lr_curve": [[step, lr] for step, lr in lr_points(plan, phase)]})
     total, baseline = plan.total_flops(), plan.baseline_flops()
     return {"layout": {"world_size": lay.world_size, "data": lay.data, "tensor": lay.tensor,
                        "pipeline": lay.pipeline},
             "zero_stage": cfg.training.zero_stage, "precision": cfg.training.precision,
             "samples_per_step": plan.samples_per_step, "tokens_per_step": plan.tokens_per_step,
             "total_steps": plan.total_steps, "lr_schedule": cfg.multilevel.lr_schedule if plan.multilevel else "phase",
-            "grow_only": plan.grow_only,
+            "grow_only": plan.grow_only, "lr": _schedule(plan),
             "random_ltd": None if plan.random_ltd is None else {
                 "min_tokens": plan.random_ltd.min_value, "max_tokens": plan.random_ltd.max_value,
                 "require_steps": plan.random_ltd.require_steps, "layer_token_lr": plan.random_ltd.layer_token_lr,
@@ -90,6 +110,7 @@ def table(plan: RunPlan, facts: dict) -> str:
         lines.append(f"{p['phase']:>5} {p['level']:>5} {p['model']:<26} {p['parameters'] / 1e6:>8.2f}M "
                      f"{p['steps']:>8} {p['start_step']:>8} {p['peak_lr']:>9.2e} {p['flops']:>10.3e} {gib:>20} "
                      f"{p['saved_levels_host_bytes'] / memory.GIB:>9.2f}")
+    lines += _curve_lines(facts)
     lines.append(f"total: {facts['total_steps']} steps, {facts['total_flops']:.3e} FLOPs; the same steps without "
                  f"multi-level training: {facts['baseline_flops']:.3e} FLOPs (ratio {facts['flops_ratio']:.3f})")
     if plan.grow_only:
@@ -104,6 +125,18 @@ def table(plan: RunPlan, facts: dict) -> str:
     lines.append("memory: model state only (activations, DeepSpeed buffers and the CUDA context come on top); "
                  "host GiB: larger levels kept for the way up")
     return "\n".join(lines)
+
+
+def _curve_lines(facts: dict) -> list[str]:
+    lr = facts["lr"]
+    shape = {"cosine": "cosine", "linear": "linear", "wsd": f"warmup-stable-decay (last {lr.get('decay_fraction')} "
+                                                            f"decays linearly)"}[lr["shape"]]
+    lines = [f"learning rate: {lr['warmup_steps']} warmup steps, then {shape} to {lr['min_lr_ratio']:g} of the peak, "
+             f"over the {'whole run' if lr['span'] == 'run' else 'phase'}; step: lr (global steps from 0)"]
+    for p in facts["phases"]:
+        lines.append(f"  phase {p['phase']} (level {p['level']}): "
+                     + ", ".join(f"{step}: {value:.3e}" for step, value in p["lr_curve"]))
+    return lines
 
 
 def _plans(args, world: int) -> dict[str, RunPlan]:

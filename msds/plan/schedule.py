@@ -1,4 +1,5 @@
-"""The V-cycle's time axis: phases, the learning-rate curve within a phase, FLOPs per sample.
+"""The V-cycle's time axis: phases, the learning-rate curves (warmup, then a cosine, linear or
+warmup-stable-decay decay), FLOPs per sample.
 
 Pure functions and frozen records; `msds.plan.build` decides their values from the config.
 """
@@ -28,24 +29,51 @@ class Phase:
         return self.start_step + self.steps
 
 
-def lr_multiplier(phase: Phase, step_in_phase: float, min_ratio: float) -> float:
-    """Linear warmup, then cosine decay from 1 to `min_ratio` over the rest of the phase."""
+@dataclass(frozen=True)
+class Decay:
+    """What the learning rate does after the warmup (optimizer.schedule): `cosine` or `linear` from
+    the peak down to `min_ratio` of it at the end of the span, or `wsd` (warmup-stable-decay): the
+    peak held until the last `fraction` of the span, then a linear decay to `min_ratio`."""
+
+    shape: str = "cosine"
+    min_ratio: float = 0.1
+    fraction: float = 0.2
+
+    def decay_start(self, steps: int, warmup_steps: int) -> int:
+        """The step (of a span of `steps`) at which the decay begins: right after the warmup, or
+        under `wsd` at the start of its last `fraction` (the plan keeps that after the warmup)."""
+        if self.shape != "wsd":
+            return warmup_steps
+        return steps - round(self.fraction * steps)
+
+    def __call__(self, progress: float) -> float:
+        """The multiplier of the peak at `progress` (0 to 1) through the decay."""
+        if self.shape == "cosine":
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_ratio + (1 - self.min_ratio) * (1 - progress)
+
+
+def lr_multiplier(phase: Phase, step_in_phase: float, decay: Decay) -> float:
+    """Linear warmup over the phase's warmup steps, then `decay` over the rest of the phase (under
+    `wsd` the peak first, until the decay's start)."""
     if step_in_phase < phase.warmup_steps:
         return (step_in_phase + 1) / phase.warmup_steps
-    span = max(1, phase.steps - phase.warmup_steps)
-    progress = min(1.0, (step_in_phase - phase.warmup_steps) / span)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    start = decay.decay_start(phase.steps, phase.warmup_steps)
+    if step_in_phase < start:
+        return 1.0
+    span = max(1, phase.steps - start)
+    return decay(min(1.0, (step_in_phase - start) / span))
 
 
 @dataclass(frozen=True)
 class PhaseCurve:
-    """`lr_schedule: phase`: the phase's own warmup and cosine."""
+    """`lr_schedule: phase` (and a baseline): the phase's own warmup and decay."""
 
     phase: Phase
-    min_ratio: float
+    decay: Decay
 
     def __call__(self, step_in_phase: int) -> float:
-        return lr_multiplier(self.phase, step_in_phase, self.min_ratio)
+        return lr_multiplier(self.phase, step_in_phase, self.decay)
 
 
 def layer_token_step(consumed: tuple[float, ...], step: int) -> float:
@@ -57,20 +85,20 @@ def layer_token_step(consumed: tuple[float, ...], step: int) -> float:
 
 @dataclass(frozen=True)
 class RunCurve:
-    """`lr_schedule: run`: one cosine over the whole run (`whole_run`, the baseline's schedule);
-    every phase after the first re-warms up to that curve over its own warmup steps. With
-    `consumed` (layer-tokens after k steps of the run) the curve runs on the LayerToken clock."""
+    """`lr_schedule: run`: one warmup and decay over the whole run (`whole_run`, the baseline's
+    schedule); every phase after the first re-warms up to that curve over its own warmup steps.
+    With `consumed` (layer-tokens after k steps of the run) the curve runs on the LayerToken clock."""
 
     phase: Phase
     whole_run: Phase
-    min_ratio: float
+    decay: Decay
     consumed: Optional[tuple[float, ...]] = None
 
     def __call__(self, step_in_phase: int) -> float:
         rewarm = 1.0 if self.phase.index == 0 else min(1.0, (step_in_phase + 1) / max(1, self.phase.warmup_steps))
         step = self.phase.start_step + step_in_phase
         clock = step if self.consumed is None else layer_token_step(self.consumed, step)
-        return rewarm * lr_multiplier(self.whole_run, clock, self.min_ratio)
+        return rewarm * lr_multiplier(self.whole_run, clock, self.decay)
 
 
 @dataclass(frozen=True)
@@ -80,11 +108,11 @@ class LayerTokenCurve:
     schedule less. `consumed[k]` = layer-tokens after k steps of the phase."""
 
     phase: Phase
-    min_ratio: float
+    decay: Decay
     consumed: tuple[float, ...]
 
     def __call__(self, step_in_phase: int) -> float:
-        return lr_multiplier(self.phase, layer_token_step(self.consumed, step_in_phase), self.min_ratio)
+        return lr_multiplier(self.phase, layer_token_step(self.consumed, step_in_phase), self.decay)
 
 
 def flops_per_sample(cfg: ModelConfig, seq_len: int, keep_tokens: Optional[int] = None, routed: int = 0) -> float:
