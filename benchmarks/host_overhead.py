@@ -181,7 +181,7 @@ def msds_config(corpus, precision, run_dir, steps, shape, extra=()):
     from msds.config import load_run_config
 
     # The default logging (interval, TensorBoard); no evaluation or checkpoint inside the windows.
-    return load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", [
+    return load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", [
         *model_overrides(corpus, precision, *shape), f"run_dir={run_dir}", f"training.steps={steps}",
         "logging.interval=10", "logging.tensorboard=true", f"logging.eval_interval={steps + 1}",
         "logging.eval_batches=1", "optimizer.warmup_steps=2", *extra])

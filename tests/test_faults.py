@@ -28,7 +28,7 @@ from msds.train.loop import train
 from msds.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = REPO / "recipes" / "test" / "test-vcycle-gpt.yaml"
 
 
 def tiny_cfg(corpus, run_dir, *overrides):

@@ -234,7 +234,7 @@ def test_bert_prototype_recipe_plans_the_v_cycles_benchmarks_measured(tmp_path):
 @pytest.mark.parametrize("overrides", [["data.max_predictions_per_seq=30"], ["data.max_predictions_per_seq=4",
                                                                              "parallel.pipeline=2"]])
 def test_max_predictions_needs_bert_without_a_pipeline_and_room(overrides):
-    cfg = load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", overrides)
+    cfg = load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", overrides)
     with pytest.raises(ConfigError, match=r"^data\.max_predictions_per_seq: .* within 1\.\.29, or 0"):
         build_plan(cfg, world_size=2)
 
@@ -243,5 +243,5 @@ def test_fused_adamw_is_chosen_where_the_engine_is_built():
     """ds_configs' "fused": "auto" becomes true on CUDA only (the CPU results use the default AdamW)."""
     import torch
 
-    plan = build_plan(load_run_config(REPO / "recipes" / "test-vcycle-bert.yaml", []))
+    plan = build_plan(load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", []))
     assert plan.ds_config(plan.phases[0])["optimizer"]["params"]["fused"] is torch.cuda.is_available()

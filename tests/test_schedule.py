@@ -15,7 +15,7 @@ from msds.train.loop import train
 from msds.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "test-vcycle-gpt.yaml"
+RECIPE = REPO / "recipes" / "test" / "test-vcycle-gpt.yaml"
 
 
 def _baseline(schedule: str, min_ratio: float, *more: str):
@@ -58,7 +58,7 @@ def test_wsd_decay_fraction_moves_the_decay_start():
 def _prototype_vcycle(*optimizer: str):
     """The prototype's 480-step budget as a V-cycle (48 / 384 / 339 steps, 771 in all) with one
     run-long schedule."""
-    bench = load_yaml(REPO / "recipes" / "bench-gpt-cpu-prototype.yaml")
+    bench = load_yaml(REPO / "recipes" / "bench" / "prototype-sweep-gpt.yaml")
     base = bench["base"]
     base["multilevel"] = {"enabled": True, "budget_steps": 480, "lr_schedule": "run"}
     cfg = run_config_from_dict(base)

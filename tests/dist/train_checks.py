@@ -159,7 +159,7 @@ def faults(corpus, work):
     """tests/test_faults.py's chain of faulted runs: the uninterrupted reference (no fault), then
     the chain's first run, which MSDS_FAULT kills: this launch never returns results (the test reads
     both runs' metrics.jsonl); it saves the chain one launch. WORK/overrides.json holds the runs'
-    overrides of recipes/test-vcycle-gpt.yaml."""
+    overrides of recipes/test/test-vcycle-gpt.yaml."""
     overrides = json.loads((work / "overrides.json").read_text())
     spec = os.environ.pop("MSDS_FAULT")
     run("reference", "gpt", corpus, work, *overrides)
