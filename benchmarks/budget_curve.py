@@ -81,6 +81,10 @@ def rows(bench_dir: Path) -> list[dict]:
         if name in results["baseline_sweep"]:
             continue
         k = results.get("multiplier", {}).get("variants", {}).get(name)
+        finals = variant["final_val_loss"]["per_seed"]
+        targets = [results["per_seed"][s]["target_val_loss"] for s in seeds]
+        # Without the longer runs, k is known only where the variant ends above the 1x reference.
+        known = ", ".join("< 1" if f >= t else "n/a" for f, t in zip(finals, targets))
         out.append({"tokens_per_param": round(tokens / non_embedding_parameters(config), 3), "steps": steps,
                     "variant": name,
                     "reference": f"{_schedule(optimizer)}, {optimizer['lr']:g}, {optimizer['warmup_steps']}",
@@ -88,9 +92,8 @@ def rows(bench_dir: Path) -> list[dict]:
                     "flops_saving": _percent(variant["flops_saving"]["per_seed"]),
                     "wallclock_saving": _percent(variant["wallclock_saving"]["per_seed"]),
                     "missed": ", ".join(variant["missed_in_seeds"]) or "none",
-                    "multiplier": None if k is None else ", ".join(k["per_seed"]),
-                    "seeds": seeds, "final_val_loss": variant["final_val_loss"]["per_seed"],
-                    "target_val_loss": [results["per_seed"][s]["target_val_loss"] for s in seeds]})
+                    "multiplier": known if k is None else ", ".join(k["per_seed"]),
+                    "seeds": seeds, "final_val_loss": finals, "target_val_loss": targets})
     return out
 
 
