@@ -1,12 +1,12 @@
 """Issue 58's budget curve: one table row per budget point and V-cycle try, from the `msds bench`
-outputs of recipes/bench-budget-<arch>-<steps>.yaml, written as a benchmarks/results JSON table
+outputs of recipes/bench/budget-curve-<arch>-<steps>.yaml, written as a benchmarks/results JSON table
 (the report format of `msds report`: per-seed lists, the setting, the source).
 
 Tokens per parameter count the parameters outside the word, position and token-type embeddings
 (the convention of scaling-law work), with the tokens of the baseline's steps.
 
     for B in 40 120 400 1200; do
-        msds bench --config recipes/bench-budget-gpt-$B.yaml --out bench_out/budget-gpt-$B --jobs 2
+        msds bench --config recipes/bench/budget-curve-gpt-$B.yaml --out bench_out/budget-gpt-$B --jobs 2
     done
     .venv/bin/python benchmarks/budget_curve.py --arch gpt --out benchmarks/results/budget-curve-gpt.json \\
         bench_out/budget-gpt-{40,120,400,1200}
