@@ -82,26 +82,36 @@ def transition_seconds(device: str, repeats: int, cfg=None, backend: str = "auto
 
 
 def bert_large_step_seconds(micro_batch: int, seq_len: int, repeats: int) -> float:
+    return hf_bert_step_seconds(micro_batch, seq_len, repeats, gpu=True)
+
+
+def hf_bert_step_seconds(micro_batch: int, seq_len: int, repeats: int, gpu: bool, compiled: bool = False) -> float:
+    """Median seconds of a Hugging Face BertForMaskedLM step with AdamW: BERT-Large, bf16 autocast
+    and fused AdamW on a GPU; a 2-layer width-64 model in fp32 on the CPU. `compiled`: the model
+    torch.compile'd (inductor on a GPU, the "eager" backend on the CPU)."""
     import transformers
 
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
-                                     num_attention_heads=16, intermediate_size=4096,
-                                     attn_implementation="sdpa")
-    model = transformers.BertForMaskedLM(config).cuda().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device="cuda")
-    labels = torch.where(torch.rand(ids.shape, device="cuda") < 0.15, ids, torch.full_like(ids, -100))
+    device = "cuda" if gpu else "cpu"
+    sizes = (dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096) if gpu else
+             dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256))
+    config = transformers.BertConfig(**sizes, attn_implementation="sdpa")
+    model = transformers.BertForMaskedLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
+    forward = torch.compile(model, backend="inductor" if gpu else "eager") if compiled else model
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+    labels = torch.where(torch.rand(ids.shape, device=device) < 0.15, ids, torch.full_like(ids, -100))
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
+            loss = forward(input_ids=ids, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     for _ in range(3):
         step()
-    return timed(step, "cuda", repeats)
+    return timed(step, device, repeats)
 
 
 def main(argv=None) -> int:

@@ -397,6 +397,14 @@ class TrainingConfig:
     spike_window: int = 20
     """How many recent applied steps' losses `spike_factor` compares with; spikes are checked once
     that many steps have run."""
+    compile: bool = False
+    """torch.compile each transformer block (not the whole model, so ZeRO's hooks and the engines
+    a V-cycle rebuilds at each transition keep working): every level's blocks are compiled when its
+    engine is built, the first steps of each level pay the compilation. megatron-core's linear
+    layers break a block's graph into several, and every level and evaluation (no_grad) compiles
+    again: past torch._dynamo's recompile limit (8 per function) the functions over it run eagerly.
+    Not with a pipeline, tensor parallelism or ZeRO 3 (the run plan refuses them). Evidence:
+    benchmarks/gpu_check.py's `fast_step` section (BENCHMARKS.md, "The GPU check")."""
     hang_timeout_s: float = 1800.0
     """If no training step completes within this many seconds (start-up, evaluations, transitions
     and checkpoint writes included), every rank writes the stack of each of its threads to stderr

@@ -39,3 +39,17 @@ def test_gpu_check_runs_on_the_cpu(train_corpus, tmp_path):
     assert transition["pair_in_steps"] == pytest.approx((transition["down_s"] + transition["up_s"]) / step["msds_s"])
     kernels = result["kernels"]
     assert kernels["correct"] and kernels["failures"] == [] and kernels["bandwidth"] == []
+    # Sections 5-9: the step's profile, Hugging Face's references, shapes, a real transition pair,
+    # the fast-step settings (figures on a GPU only; here that each runs and reports sane values).
+    profile = result["profile"]
+    assert profile["kernels_per_step"] is None and profile["device_busy_fraction"] is None
+    assert len(profile["top10"]) == 10 and all(op["ms_per_step"] >= 0 for op in profile["top10"])
+    assert result["hf_references"]["eager_s"] > 0 and result["hf_references"]["compiled_s"] > 0
+    shapes = result["shapes"]
+    assert [row["model"] for row in shapes] == ["bert-tiny"] * 3 + ["gpt-tiny"]
+    assert all(row["seconds"] > 0 and row["mfu"] is None for row in shapes)
+    transitions = result["vcycle_transitions"]
+    assert transitions["down_s"] > 0 and transitions["up_s"] > 0 and transitions["pair_in_steps"] > 0
+    fast = result["fast_step"]
+    assert [row["setting"] for row in fast][0] == "defaults" and fast[0]["vs_defaults"] == 1.0
+    assert "training.compile=true" in {row["setting"] for row in fast} and all(row["seconds"] > 0 for row in fast)

@@ -182,3 +182,26 @@ def test_ds_config_that_contradicts_msds_config(train_corpus, tmp_path):
 def test_vocabulary_smaller_than_tokenizer(train_corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.vocab_size: 512 is smaller than the tokenizer's vocabulary \(1024\)"):
         train(tiny_cfg(train_corpus, tmp_path / "run", "model.vocab_size=512"))
+
+
+def test_compiled_blocks_train_like_eager(train_corpus, tmp_path):
+    """training.compile: torch.compile'd blocks (inductor on this CPU) give eager's losses, fp32."""
+    losses, graphs = {}, {}
+    for compiled in (False, True):
+        run_dir = tmp_path / f"compile-{compiled}"
+        torch._dynamo.utils.counters.clear()
+        train(tiny_cfg(train_corpus, run_dir, "multilevel.enabled=false", "training.steps=3", "model.num_layers=1",
+                       "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "logging.interval=1",
+                       "logging.eval_interval=100", "logging.eval_batches=1", f"training.compile={compiled}"))
+        losses[compiled] = [r["loss"] for r in read_metrics(run_dir, "step")]
+        graphs[compiled] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs[False] == 0 and graphs[True] > 0
+    assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_compile_refused_where_unverified(train_corpus, tmp_path):
+    from msds.plan import build_plan
+
+    cfg = tiny_cfg(train_corpus, tmp_path / "run", "training.compile=true", "training.zero_stage=3")
+    with pytest.raises(ConfigError, match=r"^training\.compile: .*training\.zero_stage=3.*training\.compile=false"):
+        build_plan(cfg)

@@ -56,6 +56,10 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
                                                                      routed_layers=plan.routed_layers(phase.level))
     if tensors is not None:
         _fill(model, tensors, partitioned)
+    if plan.config.training.compile:
+        # Each block in place (Module.compile): parameter names, hooks and the model's type stay.
+        for block in model.layers:
+            block.compile()
     # A pipeline brings its own process-group grid (DeepSpeed refuses an mpu then).
     lr_curve = plan.lr_curves[phase.index]
     # A plain function, not the curve object: LambdaLR saves (and on resume restores) the attributes
