@@ -111,15 +111,15 @@ def check_tasks_fit(tasks: list[str], cfg: ModelConfig, where: str, untrained: l
     `untrained` (tensors the checkpoint lacked, initialised on loading)."""
     arch = cfg.arch
     for task in tasks:
+        if arch not in TASKS[task].archs:
+            fitting = [t for t, spec in TASKS.items() if arch in spec.archs]
+            raise MsdsError(f"{where}: task {task!r} needs a {' or '.join(a.upper() for a in TASKS[task].archs)} "
+                            f"model, this one is {arch.upper()}; its tasks: {', '.join(fitting)}")
         if TASKS[task].scores_lm_head and untrained:
             raise MsdsError(f"{where}: task {task!r} scores the model's language-model head, which the checkpoint "
                             f"lacks ({', '.join(untrained)}): a randomly initialised one would be scored; give a "
                             f"checkpoint with its pretraining head (e.g. BertForPreTraining, BertForMaskedLM), or "
                             f"only fine-tuning tasks ({', '.join(t for t, s in TASKS.items() if not s.scores_lm_head)})")
-        if arch not in TASKS[task].archs:
-            fitting = [t for t, spec in TASKS.items() if arch in spec.archs]
-            raise MsdsError(f"{where}: task {task!r} needs a {' or '.join(a.upper() for a in TASKS[task].archs)} "
-                            f"model, this one is {arch.upper()}; its tasks: {', '.join(fitting)}")
         if task == "sop" and not cfg.nsp_head:
             raise MsdsError(f"{where}: task 'sop' scores the sentence-order head, which this model does not have; "
                             f"train with data.sentence_order: true and model.nsp_head: true")
