@@ -28,7 +28,7 @@ HEADS_REFUSE = {("bert-base-vcycle2", 4), ("bert-base-vcycle2", 8), ("bert-large
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("recipe", PAPER_RECIPES)
 def test_paper_recipes_build_at_tensor_parallel_sizes_with_real_vocabularies(recipe, tp):
-    cfg = load_run_config(REPO / "recipes" / f"{recipe}.yaml", [f"parallel.tensor={tp}", "model.num_layers=4"])
+    cfg = load_run_config(REPO / "recipes" / "paper" / f"{recipe}.yaml", [f"parallel.tensor={tp}", "model.num_layers=4"])
     if (recipe, tp) in HEADS_REFUSE:
         with pytest.raises(ConfigError, match=r"heads"):
             build_plan(cfg, world_size=tp)
