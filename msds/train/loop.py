@@ -245,9 +245,10 @@ class Trainer:
                            "consumed_samples": self.state.consumed_samples,
                            "keep_tokens": keep or cfg.data.seq_len, "bad_steps": self.state.bad_steps})
             self.watchdog.arm()
-            if self.guard.give_up(self.state):
+            stop = self.guard.give_up(self.state)
+            if stop:
                 self.save(engine, BAD_STEPS)
-                raise MsdsError(self.guard.give_up(self.state))
+                raise MsdsError(stop)
             if self.state.step % cfg.logging.eval_interval == 0 and self.state.step < total:
                 self.log_eval(engine)
             if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0 and self.state.step < total:
