@@ -1,4 +1,4 @@
-"""Issue 58's budget curve: one table row per budget point and V-cycle try, from the `msds bench`
+"""Issue 58's budget curve: one table row per budget point and variant, from the `msds bench`
 outputs of recipes/bench/budget-curve-<arch>-<steps>.yaml, written as a benchmarks/results JSON table
 (the report format of `msds report`: per-seed lists, the setting, the source).
 
@@ -12,6 +12,11 @@ Tokens per parameter count the parameters outside the word, position and token-t
         bench_out/budget-gpt-{40,120,400,1200}
     .venv/bin/python benchmarks/budget_curve.py --plot --out docs/img/budget-curve.png \
         benchmarks/results/budget-curve-gpt.json benchmarks/results/budget-curve-bert.json
+    .venv/bin/python benchmarks/budget_curve.py --trend --out benchmarks/results/budget-curve-trend.json \
+        benchmarks/results/budget-curve-gpt.json benchmarks/results/budget-curve-bert.json
+
+Rows include the controls of a bench (a variant that is not a V-cycle, e.g. the small model trained
+alone on the same FLOPs) beside the V-cycle tries.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ EMBEDDINGS = ("embeddings.word.weight", "embeddings.position.weight", "embedding
 COLUMNS = [
     {"key": "tokens_per_param", "label": "tokens per non-embedding parameter", "digits": 2},
     {"key": "steps", "label": "baseline steps", "digits": 0},
-    {"key": "variant", "label": "V-cycle try"},
+    {"key": "variant", "label": "variant"},
     {"key": "reference", "label": "reference: schedule, peak LR, warmup"},
     {"key": "interior", "label": "reference interior?"},
     {"key": "flops_saving", "label": "FLOPs saved (mean / worst)", "format": "mean_worst", "digits": 1,
@@ -37,6 +42,8 @@ COLUMNS = [
     {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst", "digits": 1,
      "suffix": "%", "worst": "min"},
     {"key": "missed", "label": "missed the target in seeds"},
+    {"key": "loss_gap", "label": "final loss minus the reference's (mean / worst)", "format": "mean_worst",
+     "digits": 3, "worst": "max"},
     {"key": "multiplier", "label": "compute multiplier k per seed"},
 ]
 
@@ -92,8 +99,61 @@ def rows(bench_dir: Path) -> list[dict]:
                     "flops_saving": _percent(variant["flops_saving"]["per_seed"]),
                     "wallclock_saving": _percent(variant["wallclock_saving"]["per_seed"]),
                     "missed": ", ".join(variant["missed_in_seeds"]) or "none",
+                    "loss_gap": [round(f - t, 4) for f, t in zip(finals, targets)],
                     "multiplier": known if k is None else ", ".join(k["per_seed"]),
                     "seeds": seeds, "final_val_loss": finals, "target_val_loss": targets})
+    return out
+
+
+# Where users train, in tokens per non-embedding parameter (the budgets the trend is read at):
+# compute-optimal (about 20); GPT-2 small (124 M, about 85 M outside the embeddings) on 10 B tokens,
+# as in public reproductions; BERT-Large (about 300 M outside the embeddings) on about 130 B tokens.
+USER_BUDGETS = {"compute-optimal": 20, "GPT-2 small": 118, "BERT-Large": 430}
+TREND_COLUMNS = [
+    {"key": "arch", "label": "architecture"},
+    {"key": "variant", "label": "variant"},
+    {"key": "budgets", "label": "tokens per parameter fitted", "format": "list", "digits": 1},
+    {"key": "k_means", "label": "k (mean) at those budgets", "format": "list", "digits": 2},
+    {"key": "slope", "label": "k per decade of budget", "digits": 2},
+    {"key": "k_one_at", "label": "k = 1 at tokens per parameter", "digits": 1},
+    *({"key": f"k_at_{t}", "label": f"k at {t} ({name})", "digits": 2} for name, t in USER_BUDGETS.items()),
+]
+
+
+def _mean_k(row: dict) -> float | None:
+    values = row["multiplier"].split(", ")
+    if any(v.startswith(("<", ">")) or v == "n/a" for v in values):
+        return None
+    return sum(float(v) for v in values) / len(values)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares k = a + b log10(tokens per parameter): (a, b)."""
+    xs = [math.log10(t) for t, _ in points]
+    ys = [k for _, k in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def trend_rows(tables: list[dict]) -> list[dict]:
+    """Per architecture and variant with a numeric mean k at three or more budgets: the fitted trend
+    of k against log budget, where it crosses 1 and what it implies at USER_BUDGETS. An
+    extrapolation from one small shape: it says which way the saving goes, not its size there."""
+    out = []
+    for table in tables:
+        arch = table["title"].split(",")[1].split("(")[0].strip()
+        for variant in dict.fromkeys(r["variant"] for r in table["rows"]):
+            points = [(r["tokens_per_param"], _mean_k(r)) for r in table["rows"] if r["variant"] == variant]
+            points = [(t, k) for t, k in points if k is not None]
+            if len(points) < 3:
+                continue
+            a, b = fit(points)
+            row = {"arch": arch, "variant": variant, "budgets": [t for t, _ in points],
+                   "k_means": [round(k, 3) for _, k in points], "slope": round(b, 3),
+                   "k_one_at": round(10 ** ((1 - a) / b), 1) if b < 0 else None}
+            row.update({f"k_at_{t}": round(a + b * math.log10(t), 3) for t in USER_BUDGETS.values()})
+            out.append(row)
     return out
 
 
@@ -118,8 +178,14 @@ def plot(tables: list[dict], path: Path) -> None:
                       label=f"{arch} {variant}")
             ks = [[float(v) for v in r["multiplier"].split(", ")] if r["multiplier"] and "<" not in r["multiplier"]
                   and ">" not in r["multiplier"] else None for r in rows]
-            right.plot([xi for xi, k in zip(x, ks) if k], [sum(k) / len(k) for k in ks if k], marker="o",
-                       label=f"{arch} {variant}")
+            line, = right.plot([xi for xi, k in zip(x, ks) if k], [sum(k) / len(k) for k in ks if k], marker="o",
+                               label=f"{arch} {variant}")
+            points = [(xi, sum(k) / len(k)) for xi, k in zip(x, ks) if k]
+            if len(points) >= 3:
+                a, b = fit(points)
+                span = [min(x), max(USER_BUDGETS.values())]
+                right.plot(span, [a + b * math.log10(t) for t in span], linestyle="--", linewidth=0.8,
+                           color=line.get_color())
     for ax, label in ((left, "FLOPs saved to the reference's final loss (%, mean)"),
                       (right, "compute multiplier k (mean)")):
         ax.set_xscale("log")
@@ -139,10 +205,21 @@ def main() -> None:
     parser.add_argument("--command", default="", help="the command line that produced the bench outputs")
     parser.add_argument("--plot", action="store_true", help="instead: draw the curve of the results tables (JSON) given "
                                                  "in place of bench directories into --out, a PNG")
+    parser.add_argument("--trend", action="store_true", help="instead: fit k against log budget over the results "
+                                                  "tables (JSON) given in place of bench directories into --out, a "
+                                                  "results table")
     parser.add_argument("bench_dirs", nargs="*", type=Path)
     args = parser.parse_args()
     if args.plot:
         plot([json.loads(p.read_text()) for p in args.bench_dirs], args.out)
+        return
+    if args.trend:
+        tables = [json.loads(p.read_text()) for p in args.bench_dirs]
+        args.out.write_text(json.dumps({
+            "title": "Issue 58's budget curve: the compute multiplier k fitted against log tokens per parameter, "
+                     "and read at the budgets users train at (an extrapolation from one small shape)",
+            "setting": tables[0]["setting"], "columns": TREND_COLUMNS, "rows": trend_rows(tables),
+            "source": ", ".join(str(p) for p in args.bench_dirs)}, indent=1) + "\n")
         return
     if args.arch is None:
         parser.error("--arch: give the architecture of the bench directories (gpt or bert)")

@@ -1,6 +1,9 @@
 """The bench's schedule sweep (baseline_schedule_sweep), whether its reference is an interior optimum,
 and the compute multiplier (reference_budgets)."""
 import json
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -73,24 +76,34 @@ def test_an_interior_reference_and_one_at_the_edge():
                                     (4.8, 1.5), (4.6, "> 2")])
 def test_the_multiplier_interpolates_in_log_flops(loss, k):
     curve = [(2e12, 4.7), (1e12, 5.0), (1.5e12, 4.8)]
-    result = bench_multiplier.multiplier(curve, loss)
+    result = bench_multiplier.multiplier(curve, loss, 1e12)
     if isinstance(k, str):
         assert result == {"k": None, "text": k}
     else:
         assert result["k"] == pytest.approx(k) and result["text"] == f"{k:.2f}"
 
 
-def test_reference_budgets_must_be_factors_above_one():
-    assert bench_multiplier.check_factors({"reference_budgets": [2, 1.5]}) == [1.5, 2.0]
-    for bad in ([1, 2], [2, 2], "2", [True]):
-        with pytest.raises(ConfigError, match=r"^reference_budgets: expected a list of distinct budget factors"):
+@pytest.mark.parametrize("loss,k", [(5.4, "< 0.5"), (5.2, 0.5 ** 0.5), (5.0, 1.0), (4.9, 1.5 ** 0.5)])
+def test_budgets_below_one_give_the_multiplier_of_a_variant_above_the_1x_run(loss, k):
+    curve = [(1e12, 5.0), (0.5e12, 5.4), (1.5e12, 4.8)]       # the reference at 1x, 0.5x and 1.5x
+    result = bench_multiplier.multiplier(curve, loss, 1e12)
+    if isinstance(k, str):
+        assert result == {"k": None, "text": k}
+    else:
+        assert result["k"] == pytest.approx(k) and result["text"] == f"{k:.2f}"
+
+
+def test_reference_budgets_must_be_positive_factors_other_than_one():
+    assert bench_multiplier.check_factors({"reference_budgets": [2, 0.5, 1.5]}) == [0.5, 1.5, 2.0]
+    for bad in ([1, 2], [2, 2], [0, 2], [-0.5], "2", [True]):
+        with pytest.raises(ConfigError, match=r"^reference_budgets: expected a list of distinct positive budget"):
             bench_multiplier.check_factors({"reference_budgets": bad})
 
 
 def test_a_bench_with_a_schedule_sweep_and_reference_budgets(train_corpus, tmp_path):
-    """Two rates x two schedules; the best member trains again at 1.5x and 2x its steps, and the
-    V-cycle's final loss is placed on that curve."""
-    bench = _bench(baseline_lr_sweep=[1, 3], baseline_schedule_sweep=SCHEDULES[1:], reference_budgets=[1.5, 2])
+    """Two rates x two schedules; the best member trains again at 0.5x, 1.5x and 2x its steps, and
+    the V-cycle's final loss is placed on that curve."""
+    bench = _bench(baseline_lr_sweep=[1, 3], baseline_schedule_sweep=SCHEDULES[1:], reference_budgets=[2, 0.5, 1.5])
     bench["variants"]["vcycle"] = {"training": {"steps": 0},
                                    "optimizer": {"schedule": "wsd", "min_lr_ratio": 0.0, "decay_fraction": 0.25},
                                    "multilevel": {"enabled": True, "levels": [{"hidden": 2, "heads": 2, "ffn": 2,
@@ -108,17 +121,17 @@ def test_a_bench_with_a_schedule_sweep_and_reference_budgets(train_corpus, tmp_p
     assert check["interior"] is False and check["dimensions"]["lr_factor"]["values"] == [1.0, 3.0]
     md = (out / "results.md").read_text()
     assert "**WARNING: the reference is not an interior optimum" in md.splitlines()[2]
-    for factor, steps in ((1.5, 18), (2, 24)):
+    for factor, steps in ((0.5, 6), (1.5, 18), (2, 24)):
         run = out / f"{reference}-budget{factor:g}x"
         config = yaml.safe_load((run / "config.yaml").read_text())
         assert config["training"]["steps"] == steps and (run / "summary.json").is_file()
     curve = results["multiplier"]["curves"]["config"]
-    assert [round(f / curve[0][0], 3) for f, _ in curve] == [1, 1.5, 2]
+    assert [round(f / curve[0][0], 3) for f, _ in curve] == [1, 0.5, 1.5, 2]
     vcycle = results["multiplier"]["variants"]["vcycle"]
     final = results["per_seed"]["config"]["variants"]["vcycle"]["final_val_loss"]
-    assert vcycle["per_seed"] == [bench_multiplier.multiplier(curve, final)["text"]]
+    assert vcycle["per_seed"] == [bench_multiplier.multiplier(curve, final, curve[0][0])["text"]]
     assert set(results["multiplier"]["variants"]) == {"vcycle"}
-    assert "Compute multiplier:" in md and json.loads((out / "results.json").read_text())["multiplier"]["factors"] == [1.5, 2]
+    assert "Compute multiplier:" in md and json.loads((out / "results.json").read_text())["multiplier"]["factors"] == [0.5, 1.5, 2]
 
 
 def test_a_run_finished_before_the_schedule_fields_existed_is_reused(tmp_path, train_corpus):
@@ -138,3 +151,21 @@ def test_a_run_finished_before_the_schedule_fields_existed_is_reused(tmp_path, t
     assert pending() == []
     with pytest.raises(ConfigError, match=r"variants\.baseline: .*\(optimizer\.schedule: 'cosine' there, 'linear' now\)"):
         pending("optimizer.schedule=linear")
+
+
+def test_the_budget_curve_trend_fits_k_against_log_budget():
+    """benchmarks/budget_curve.py --trend: k = a + b log10(T) through the numeric mean k's of a
+    variant, where it crosses 1, and nothing for a variant with fewer than three numeric budgets."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import budget_curve
+
+    def row(variant, t, ks):
+        return {"variant": variant, "tokens_per_param": t, "multiplier": ks}
+
+    # k = 1.5 - 0.25 log10(T): 1.5 at 1, 1.25 at 10, 1 at 100.
+    rows = [row("vcycle", 1, "1.40, 1.60"), row("vcycle", 10, "1.25, 1.25"), row("vcycle", 100, "0.90, 1.10"),
+            row("vcycle", 1000, "< 0.5, 0.8"), row("other", 1, "1.2, 1.2"), row("other", 10, "> 2, 1.1")]
+    trend = budget_curve.trend_rows([{"title": "budget curve, GPT (2 x 64)", "rows": rows}])
+    assert [t["variant"] for t in trend] == ["vcycle"] and trend[0]["arch"] == "GPT"
+    assert trend[0]["budgets"] == [1, 10, 100] and trend[0]["slope"] == pytest.approx(-0.25)
+    assert trend[0]["k_one_at"] == pytest.approx(100) and trend[0]["k_at_20"] == pytest.approx(1.5 - 0.25 * math.log10(20), abs=1e-3)

@@ -21,10 +21,12 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
 - `reference_budgets: [1.5, 2]`: the reference is also trained at these multiples of its steps, each
   with its own full schedule, and each other variant gets its compute multiplier k: the FLOPs the
   baseline needs to end at the variant's final loss, in multiples of its own (msds/bench/multiplier.py).
+  Factors below 1 ([0.5, 0.75, 1.5, 2]) give a number to a variant that ends above the 1x run too.
 - `eval: {tasks: [...], ...}` (msds/eval/bench.py, docs/evaluation.md): the reference and every variant
   outside the sweep are evaluated downstream in every seed; results.md shows the scores beside the
   savings and says which variants are at equal quality; the headline then names the largest saving
-  among those, and any variant that saves more below the reference's spread. With `at: target` a
+  among those, and any variant that saves more but falls short (equal quality: on every task the
+  mean paired difference to the reference, per seed, is at least minus one standard error). With `at: target` a
   variant's quality is that of its model where it first reaches the target, the point its saving
   is counted at: its run is trained again to that evaluation's step (<run>/at-target), not its end.
 

@@ -110,9 +110,9 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     names = _selected(list(next(iter(configs.values()))), only, members, config_path)
     train_missing({label: {n: c[n] for n in names} for label, c in configs.items()}, seed_dirs, jobs)
     reference, means = best_baseline(list(seed_dirs.values()), members)
-    longer = {label: multiplier.longer_configs(c[reference], reference, budget_factors, seed_dirs[label])
+    budgets = {label: multiplier.budget_configs(c[reference], reference, budget_factors, seed_dirs[label])
               for label, c in configs.items()}
-    train_missing(longer, seed_dirs, jobs)
+    train_missing(budgets, seed_dirs, jobs)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     per_seed = {label: summarize(seed_dirs[label], names, reference) for label in seed_dirs}
@@ -120,7 +120,7 @@ def run_bench(config_path: str | Path, out_dir: str | Path, overrides: list[str]
     coords = {name: member["coords"] for name, member in sweep_grid(bench, list(overrides)).items()}
     results.sweep_check = sweep.interior(coords, means, reference)
     if budget_factors:
-        results.multiplier = multiplier.multipliers(seed_dirs, per_seed, longer,
+        results.multiplier = multiplier.multipliers(seed_dirs, per_seed, budgets,
                                                     [n for n in names if n not in members], budget_factors)
     if eval_settings is not None:
         results.eval = _evaluate(configs, seed_dirs, per_seed, [n for n in names if n not in members], reference,
