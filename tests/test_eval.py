@@ -279,29 +279,40 @@ def test_a_best_rate_at_the_grid_s_end_is_noted():
     assert grid_edge(3e-4, [3e-4]) is None and grid_edge(3e-4, [3e-4, 3e-4]) is None
 
 
-def test_quality_verdict_uses_the_reference_seed_spread():
+def test_quality_verdict_uses_the_paired_standard_error():
+    """Per task, the per-seed differences to the reference (positive = better): a mean of at least
+    zero, or at least minus one standard error, is equal quality."""
     settings = EvalSettings(tasks=["heldout-ppl", "cloze"])
     values = {"1": {"baseline": {"heldout-ppl": 100.0, "cloze": 0.30}, "fast": {"heldout-ppl": 104.0, "cloze": 0.31},
                     "bad": {"heldout-ppl": 99.0, "cloze": 0.20}},
               "2": {"baseline": {"heldout-ppl": 105.0, "cloze": 0.34}, "fast": {"heldout-ppl": 105.0, "cloze": 0.29},
-                    "bad": {"heldout-ppl": 99.0, "cloze": 0.22}}}
+                    "bad": {"heldout-ppl": 99.0, "cloze": 0.33}}}
     record = quality(values, "baseline", settings)
-    fast = record["variants"]["fast"]
-    # Perplexity 104.5 (mean) <= the baseline's worst seed, 105; cloze 0.30 >= its worst, 0.30.
-    assert fast["equal_quality"] and fast["tasks"]["heldout-ppl"] == {"mean": 104.5, "best": 104.0, "worst": 105.0,
-                                                                      "per_seed": [104.0, 105.0]}
-    assert record["variants"]["bad"]["worse_than_reference_spread"] == ["cloze"]
+    fast = record["variants"]["fast"]["tasks"]
+    # Perplexity: differences -4 and 0 (lower is better), mean -2, standard error 2: within one.
+    assert fast["heldout-ppl"]["mean"] == 104.5 and fast["heldout-ppl"]["per_seed"] == [104.0, 105.0]
+    assert fast["heldout-ppl"]["paired"] == {"mean_diff": -2.0, "se": 2.0, "equal": True}
+    # Cloze: +0.01 and -0.05, mean -0.02, standard error 0.03: within one.
+    assert fast["cloze"]["paired"]["mean_diff"] == pytest.approx(-0.02)
+    assert fast["cloze"]["paired"]["se"] == pytest.approx(0.03) and fast["cloze"]["paired"]["equal"]
+    assert record["variants"]["fast"]["equal_quality"]
+    # Cloze: -0.10 and -0.01, mean -0.055, standard error 0.045: more than one below.
+    bad = record["variants"]["bad"]
+    assert bad["worse_than_reference"] == ["cloze"] and not bad["equal_quality"]
+    assert bad["tasks"]["heldout-ppl"]["paired"]["equal"]
     assert record["variants"]["baseline"]["equal_quality"]
+    one_seed = quality({"1": values["1"]}, "baseline", settings)["variants"]["fast"]
+    assert one_seed["tasks"]["heldout-ppl"]["paired"] == {"mean_diff": -4.0, "se": None, "equal": False}
 
 
 def test_the_headline_names_the_best_saving_at_equal_quality():
     """With downstream scores, the bench's headline is the largest saving among the variants at equal
-    quality; a variant that saves more below the reference's spread is named with its short tasks."""
+    quality; a variant that saves more but falls short is named with its short tasks."""
     from msds.bench.report import headline
     from msds.bench.saving import BenchResults, LossSpread, SeedResult, Spread, VariantSummary
 
     settings = EvalSettings(tasks=["heldout-ppl", "cloze"])
-    # The reference's worst seed: perplexity 105, cloze 0.30; "fast" falls short on cloze, "fair" does not.
+    # "fast" is 0.05 below the reference on cloze in both seeds (standard error 0): short; "fair" is above.
     values = {seed: {"baseline": {"heldout-ppl": ppl, "cloze": 0.30}, "fast": {"heldout-ppl": 101.0, "cloze": 0.25},
                      "fair": {"heldout-ppl": 101.0, "cloze": 0.31}} for seed, ppl in (("1", 100.0), ("2", 105.0))}
     def saving(mean):

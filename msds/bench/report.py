@@ -65,7 +65,7 @@ def _saving_line(name: str, a: VariantSummary, results: BenchResults, at_equal_q
 
 def _headline_reached(reached: dict[str, VariantSummary], results: BenchResults) -> str:
     verdicts = results.eval["variants"] if results.eval is not None else {}
-    short = (lambda n: ", ".join(verdicts[n]["worse_than_reference_spread"]))
+    short = (lambda n: ", ".join(verdicts[n]["worse_than_reference"]))
     equal = {n: a for n, a in reached.items() if n not in verdicts or verdicts[n]["equal_quality"]}
     more = _largest_saving(reached)
     if not equal:
@@ -124,22 +124,31 @@ def markdown(results: BenchResults) -> str:
 
 
 def eval_markdown(results: BenchResults) -> str:
-    """The scores beside the FLOPs savings, and the equal-quality verdict, one row per variant."""
+    """The scores beside the FLOPs savings, the paired difference to the reference and the
+    equal-quality verdict, one row per variant."""
     quality_record = results.eval
     tasks = quality_record["tasks"]
     header = " | ".join(f"{t} ({spec['metric']}, {'higher' if spec['higher_is_better'] else 'lower'} is better)"
                         for t, spec in tasks.items())
     lines = ["", "### downstream evaluation", "",
-             f"Mean (best..worst) over the seeds. At equal quality: every task's mean at least as good as the "
-             f"reference's (`{quality_record['reference']}`) worst seed. {_models_evaluated(quality_record)}", "",
+             f"Mean (best..worst) over the seeds, then in brackets the mean paired difference to the reference "
+             f"(`{quality_record['reference']}`), signed so that positive is better, +- its standard error. At "
+             f"equal quality: on every task that mean is at least zero or at least minus one standard error. "
+             f"{_models_evaluated(quality_record)}", "",
              f"| variant | {header} | FLOPs saving, mean / worst | at equal quality |",
              "|---|" + "---|" * (len(tasks) + 2)]
     for name, record in quality_record["variants"].items():
-        cells = " | ".join(f"{s['mean']:.4g} ({s['best']:.4g}..{s['worst']:.4g})" for s in record["tasks"].values())
+        cells = " | ".join(f"{s['mean']:.4g} ({s['best']:.4g}..{s['worst']:.4g}) [{_paired(s['paired'])}]"
+                           for s in record["tasks"].values())
         saving = results.variants[name].flops_saving
-        verdict = "yes" if record["equal_quality"] else "no: " + ", ".join(record["worse_than_reference_spread"])
+        verdict = "yes" if record["equal_quality"] else "no: " + ", ".join(record["worse_than_reference"])
         lines.append(f"| {name} | {cells} | {_pct(saving.mean)} / {_pct(saving.worst)} | {verdict} |")
     return "\n".join(lines + _target_steps(quality_record)) + "\n"
+
+
+def _paired(paired: dict) -> str:
+    se = "n/a" if paired["se"] is None else f"{paired['se']:.3g}"
+    return f"{paired['mean_diff']:+.3g} +- {se}"
 
 
 def _models_evaluated(quality_record: dict) -> str:

@@ -6,8 +6,11 @@ whether a saving holds at equal quality (msds/bench/report.py renders it beside 
       max_examples: 200
       at: target                      # final (default) | target
 
-A variant is *at equal quality* when, on every task, its mean over the seeds is at least as good as
-the reference baseline's worst seed (the reference's seed spread, or better). Evaluated are the
+A variant is *at equal quality* when, on every task, the paired differences to the reference
+baseline (variant minus reference in each seed, signed so that positive is better) have a mean of
+at least zero, or of at least minus one standard error of those differences (their standard
+deviation over the square root of the number of seeds; with one seed the mean must be at least
+zero). Pairing by seed takes out what the seeds share (data order, validation batches). Evaluated are the
 reference's final models and every variant outside the baseline sweep: its final model, or with
 `at: target` its model at the first full-size evaluation at or below the reference's final
 validation loss, the point its saving is counted at (msds/bench/at_target.py). Each
@@ -74,8 +77,18 @@ def _spread(values: list[float], higher_is_better: bool) -> dict:
     return {"mean": statistics.fmean(values), "best": ordered[0], "worst": ordered[-1], "per_seed": values}
 
 
+def paired(values: list[float], reference: list[float], higher_is_better: bool) -> dict:
+    """The per-seed differences to the reference, signed so that positive is better: their mean, their
+    standard error (None with one seed) and whether the variant is at equal quality on this task."""
+    diffs = [(v - r) if higher_is_better else (r - v) for v, r in zip(values, reference)]
+    mean = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    return {"mean_diff": mean, "se": se, "equal": mean >= 0 or (se is not None and mean >= -se)}
+
+
 def quality(values: dict[str, dict[str, dict[str, float]]], reference: str, settings: EvalSettings) -> dict:
-    """From {seed: {variant: {task: value}}}: each variant's spread per task and its verdict."""
+    """From {seed: {variant: {task: value}}}: each variant's spread per task, its paired difference
+    to the reference and its verdict."""
     seeds = list(values)
     names = list(values[seeds[0]])
     out = {"tasks": {t: {"metric": TASKS[t].metric, "higher_is_better": TASKS[t].higher_is_better}
@@ -85,14 +98,12 @@ def quality(values: dict[str, dict[str, dict[str, float]]], reference: str, sett
         spreads = {t: _spread([values[s][name][t] for s in seeds], TASKS[t].higher_is_better) for t in settings.tasks}
         out["variants"][name] = {"tasks": spreads}
     for name, record in out["variants"].items():
-        worse = []
         for task, spread in record["tasks"].items():
-            floor = out["variants"][reference]["tasks"][task]["worst"]
-            better_or_equal = spread["mean"] >= floor if TASKS[task].higher_is_better else spread["mean"] <= floor
-            if not better_or_equal:
-                worse.append(task)
+            spread["paired"] = paired(spread["per_seed"], out["variants"][reference]["tasks"][task]["per_seed"],
+                                      TASKS[task].higher_is_better)
+        worse = [task for task, spread in record["tasks"].items() if not spread["paired"]["equal"]]
         record["equal_quality"] = not worse
-        record["worse_than_reference_spread"] = worse
+        record["worse_than_reference"] = worse
     return out
 
 
