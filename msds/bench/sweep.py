@@ -15,13 +15,15 @@ from typing import Optional
 from msds.config import ConfigError, OptimizerConfig
 
 SCHEDULE_KEYS = ("schedule", "min_lr_ratio", "decay_fraction")
+OWN_SWEEPS = {"lr_factors": (int, float), "warmups": int}   # an entry's own grid instead of the bench's
 ORDERED = ("lr_factor", "warmup_steps")
 
 
 def schedule_options(bench: dict, optimizer: dict) -> list[dict]:
     """The swept schedules, each a complete {schedule, min_lr_ratio, decay_fraction} (fields not
-    given are the baseline's own), with `lr_factors` where an entry sweeps its own rate factors
-    instead of baseline_lr_sweep's; without `baseline_schedule_sweep`, only the baseline's own."""
+    given are the baseline's own), with `lr_factors` and `warmups` where an entry sweeps its own rate
+    factors or warmup lengths instead of baseline_lr_sweep's and baseline_warmup_sweep's; without
+    `baseline_schedule_sweep`, only the baseline's own."""
     defaults = OptimizerConfig()
     own = {key: optimizer.get(key, getattr(defaults, key)) for key in SCHEDULE_KEYS}
     entries = bench.get("baseline_schedule_sweep") or []
@@ -30,11 +32,20 @@ def schedule_options(bench: dict, optimizer: dict) -> list[dict]:
                           f"mappings, got {entries!r}")
     options = []
     for i, entry in enumerate(entries):
-        unknown = sorted(set(entry) - set(SCHEDULE_KEYS) - {"lr_factors"}) if isinstance(entry, dict) \
+        unknown = sorted(set(entry) - set(SCHEDULE_KEYS) - set(OWN_SWEEPS)) if isinstance(entry, dict) \
             else ["(not a mapping)"]
         if unknown:
             raise ConfigError(f"baseline_schedule_sweep[{i}]: {unknown[0]} is not a schedule field; give "
-                              f"{', '.join(SCHEDULE_KEYS)} (and lr_factors, this schedule's own rate factors)")
+                              f"{', '.join(SCHEDULE_KEYS)} (and lr_factors, warmups: this schedule's own rate "
+                              f"factors and warmup lengths)")
+        for key, kind in OWN_SWEEPS.items():
+            values = entry.get(key, [1])
+            if not isinstance(values, list) or not values or not all(
+                    isinstance(v, kind) and not isinstance(v, bool) and (v > 0 or key == "warmups" and v == 0)
+                    for v in values):
+                what = "whole numbers of steps" if key == "warmups" else "positive factors"
+                raise ConfigError(f"baseline_schedule_sweep[{i}].{key}: expected a non-empty list of {what}, "
+                                  f"got {values!r}")
         options.append({**own, **entry})
     return options or [own]
 
@@ -55,9 +66,10 @@ def grid(bench: dict, optimizer: dict, factors: list[float], warmups: list[int],
     own = schedule_label(own_option)
     members = {prefix: {"coords": {"schedule": own, "lr_factor": 1.0, "warmup_steps": warmup},
                         "optimizer": {**own_option, "lr": lr, "warmup_steps": warmup}}}
-    for option, steps in itertools.product(schedule_options(bench, optimizer), warmups):
+    for option in schedule_options(bench, optimizer):
         option = dict(option)
-        for factor in option.pop("lr_factors", factors):
+        own_factors, own_warmups = option.pop("lr_factors", factors), option.pop("warmups", warmups)
+        for steps, factor in itertools.product(own_warmups, own_factors):
             _add_member(members, option, factor, steps, (prefix, own, lr, warmup))
     return members
 
