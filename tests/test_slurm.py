@@ -33,7 +33,7 @@ PHASE_LEVELS = [1, 2, 3, 2, 1]
 TOTAL_STEPS = sum(PHASE_STEPS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
