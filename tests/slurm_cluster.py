@@ -12,7 +12,7 @@ NodeAddr=127.0.0.1, which is where `slurm/train.sh` finds the first node's rende
 SLURM_CONF environment variable, which the cluster sets for this process (and so for its jobs).
 
 When Slurm cannot be installed or started, `start()` raises `SlurmUnavailable` with the reason,
-which the tests turn into a skip.
+which `running_cluster` (the tests' fixtures) turns into a skip.
 """
 from __future__ import annotations
 
@@ -62,6 +62,22 @@ def install_slurm() -> None:
             raise SlurmUnavailable(f"`{' '.join(cmd)}` failed (no package access?): {' | '.join(tail)}")
 
 
+def running_cluster(workdir: Path, nodes: int = 1):
+    """A pytest fixture's body (`yield from running_cluster(...)`): a started cluster, stopped
+    afterwards; its tests are skipped, with the reason, where Slurm cannot run."""
+    import pytest
+
+    cluster = SlurmCluster(workdir, nodes)
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm cluster of {nodes} node(s): {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,14 +120,6 @@ class SlurmCluster:
         return "".join(f"NodeName={node} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={_free_port()} "
                        f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN\n" for node in self.nodes)
 
-    def _scheduler_line(self) -> str:
-        if len(self.nodes) == 1:
-            return ""
-        # The main scheduler alone: it gives a job with a node range (--nodes=1-2) every node that
-        # is free, whereas the backfill scheduler may start it on its minimum node count, which
-        # would make "starts on two nodes" a matter of which scheduler saw the job first.
-        return "SchedulerType=sched/builtin\n"
-
     def write_conf(self) -> None:
         d = self.workdir
         for sub in ("state", "spool", "log"):
@@ -133,7 +141,7 @@ SlurmUser=root
 AuthInfo=cred_expire=10
 # Look at pending jobs every 2 s (default 60 s), so a requeued job starts once it may.
 SchedulerParameters=sched_interval=2,bf_interval=2
-{self._scheduler_line()}AuthType=auth/munge
+AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={spool}

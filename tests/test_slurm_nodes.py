@@ -15,7 +15,7 @@ cost"), through the real slurm/gpt-base-vcycle2.sbatch and slurm/train.sh with t
    losses within 1e-5 (data parallel 2 x 1 and 1 x 2 sum the same gradients in another order).
 
 Needs root and package access (Slurm is installed and started as in tests/test_slurm.py); skipped,
-with the reason, where Slurm cannot run. About 3 minutes on 2 cores.
+with the reason, where Slurm cannot run. About 3.5 minutes on 2 (busy) cores.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from msds.train.metrics import read_metrics
-from slurm_cluster import SlurmCluster, SlurmUnavailable
+from slurm_cluster import SlurmCluster, running_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "gpt-base-vcycle2.sbatch"
@@ -48,13 +48,7 @@ TOLERANCE = 1e-5               # as tests/test_relayout.py: float reassociation 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2)
-    try:
-        cluster.start()
-    except SlurmUnavailable as e:
-        pytest.skip(f"no two-node Slurm cluster: {e}")
-    yield cluster
-    cluster.stop()
+    yield from running_cluster(tmp_path_factory.mktemp("slurm2"), nodes=2)
 
 
 def submit(slurm: SlurmCluster, workdir: Path, corpus: Path, nodes: str, extra_env: dict | None = None,
