@@ -15,7 +15,7 @@ cost"), through the real slurm/gpt-base-vcycle2.sbatch and slurm/train.sh with t
    losses within 1e-5 (data parallel 2 x 1 and 1 x 2 sum the same gradients in another order).
 
 Needs root and package access (Slurm is installed and started as in tests/test_slurm.py); skipped,
-with the reason, where Slurm cannot run. About 3.5 minutes on 2 (busy) cores.
+with the reason, where Slurm cannot run. 3.5-5.5 minutes on 2 busy cores.
 """
 from __future__ import annotations
 
