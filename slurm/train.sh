@@ -10,7 +10,16 @@
 #   3. on the stop signal (default USR1, sent by Slurm before the time limit): forward it to the
 #      workers, which finish their step, write a checkpoint and exit 0;
 #   4. when the launcher exits 0 but the run has not finished, `scontrol requeue` this job; a
-#      finished run is never requeued.
+#      finished run is never requeued;
+#   5. when the launcher fails because a rank's hang detector fired (training.hang_timeout_s: its
+#      faulthandler stacks, which start with `Timeout (H:MM:SS)!`, are in this launch's part of the
+#      job's stderr), `scontrol requeue` too: the requeued job resumes from the newest checkpoint.
+#      Any other failure ends the job as FAILED (a crash is a bug to read, not to loop on).
+#
+# A node that is lost (set DOWN by slurmctld when its slurmd stops answering, or by an operator
+# with `scontrol update nodename=<node> state=down`) is Slurm's to handle: it ends the job and,
+# since the sbatch scripts ask for `--requeue`, requeues it; the requeued job starts on the nodes
+# that are left when its node range allows (below).
 #
 # Coming back on fewer (or more) nodes: submit with a node range, `sbatch --nodes=MIN-MAX`, and a
 # requeued job starts on whatever MIN..MAX nodes are free; msds resumes the checkpoint on the new
@@ -30,7 +39,7 @@
 #   MSDS_STOP_SIGNAL     the signal named in `#SBATCH --signal=B:<SIG>@T`; default USR1. It must be
 #                        the workers' `training.exit_signal` (msds default SIGUSR1).
 #   MSDS_MAX_REQUEUES    give up requeueing after this many restarts (default 20): a run that keeps
-#                        stopping without finishing is a bug to look at, not to loop on.
+#                        stopping (or hanging) without finishing is a bug to look at, not to loop on.
 #   MSDS_GLOBAL_BATCH    samples per optimizer step to keep whatever the node count: appends
 #                        training.grad_accum = MSDS_GLOBAL_BATCH / (data-parallel size x
 #                        training.micro_batch_size) for this allocation (an error if that is not a
@@ -75,7 +84,10 @@ fi
 
 NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 NNODES=${#NODES[@]}
-MASTER_ADDR=${NODES[0]}
+# The rendezvous host: the first node's address as Slurm reaches it (its NodeAddr, which is the
+# node's name unless slurm.conf gives the node an address).
+MASTER_ADDR=$(scontrol show node "${NODES[0]}" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)
+MASTER_ADDR=${MASTER_ADDR:-${NODES[0]}}
 # A port per job: two jobs that share a node must not rendezvous with each other.
 MASTER_PORT=${MSDS_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 
@@ -159,6 +171,23 @@ workers_are_training() {
         tail -n 1 "$METRICS" | grep -q '"event": "step"'
 }
 
+# The workers' stderr is the job's (srun passes it on): remember where this launch's part starts,
+# to recognise a hang detector's exit afterwards.
+JOB_STDERR=$(readlink -f /proc/$$/fd/2 || true)
+stderr_bytes_at_launch=$( [ -f "$JOB_STDERR" ] && stat -c %s "$JOB_STDERR" || echo 0 )
+workers_hung() {
+    [ -f "$JOB_STDERR" ] &&
+        grep -qE '^Timeout \([0-9]+:[0-9]{2}:[0-9]{2}\)!$' <(tail -c +"$((stderr_bytes_at_launch + 1))" "$JOB_STDERR")
+}
+requeue() {
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$MSDS_MAX_REQUEUES" ]; then
+        say "$1, but already restarted $SLURM_RESTART_COUNT times (MSDS_MAX_REQUEUES); not requeueing"
+        exit 3
+    fi
+    say "$1; requeueing job $SLURM_JOB_ID to resume from $RUN_DIR"
+    scontrol requeue "$SLURM_JOB_ID"
+}
+
 # Each task replaces @SLURM_NODEID@ with its own node rank (the deepspeed launcher needs it).
 # srun gets the CPUs per task explicitly: since Slurm 22.05 it no longer inherits them from sbatch.
 srun --ntasks="$NNODES" --ntasks-per-node=1 --cpus-per-task="$cpus_per_task" --kill-on-bad-exit=1 \
@@ -182,6 +211,10 @@ set -e
 
 # --- finished, stopped, or failed? -----------------------------------------------------------
 if [ "$launcher_status" -ne 0 ]; then
+    if workers_hung; then
+        requeue "a rank hung (no step within training.hang_timeout_s; its stacks are above)"
+        exit 0
+    fi
     say "training failed (exit status $launcher_status); not requeueing"
     exit "$launcher_status"
 fi
@@ -198,9 +231,4 @@ if [ "$run_outcome" = finished ]; then
     say "training finished; run dir $RUN_DIR"
     exit 0
 fi
-if [ "${SLURM_RESTART_COUNT:-0}" -ge "$MSDS_MAX_REQUEUES" ]; then
-    say "stopped before the end, but already restarted $SLURM_RESTART_COUNT times (MSDS_MAX_REQUEUES); not requeueing"
-    exit 3
-fi
-say "stopped before the end (stop signal forwarded: $stop_forwarded); requeueing job $SLURM_JOB_ID to resume from $RUN_DIR"
-scontrol requeue "$SLURM_JOB_ID"
+requeue "stopped before the end (stop signal forwarded: $stop_forwarded)"

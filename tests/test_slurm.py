@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, SlurmUnavailable
+from slurm_cluster import SlurmCluster, running_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "gpt-base-vcycle2.sbatch"
@@ -33,15 +33,9 @@ PHASE_LEVELS = [1, 2, 3, 2, 1]
 TOTAL_STEPS = sum(PHASE_STEPS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except SlurmUnavailable as e:
-        pytest.skip(f"no Slurm cluster: {e}")
-    yield cluster
-    cluster.stop()
+    yield from running_cluster(tmp_path_factory.mktemp("slurm"))
 
 
 def submit(slurm: SlurmCluster, workdir: Path, corpus: Path, launcher: str, sbatch_options: list[str]) -> int:
