@@ -5,6 +5,7 @@ compute is negligible and what is left is the host's overhead. On a GPU every op
 is a kernel launch and every sync drains the device's queue.
 
     .venv/bin/python benchmarks/host_overhead.py --json out.json [--steps 20] [--precision fp32 bf16]
+        [--rows "msds train"]
 
 Counting (`StepCounter`, used by tests/test_host_overhead.py too): a TorchDispatchMode counts every
 ATen operation, and apart those that would launch a kernel on a GPU (not views, not allocations); syncs are the operations that read a device value on the host (aten._local_scalar_dense,
@@ -14,7 +15,9 @@ calls (torch.cuda.synchronize and DeepSpeed's accelerator's). Each optimizer ste
 `msds train`'s at the DeepSpeed engine's step that advances its global step (every line of the loop
 between two such steps is in the window: logging, the loss's read, the next batch), the hand-written
 loops' at their optimizer step. Figures are means over `--steps` windows after 3 warm-up steps; host
-time comes from a second run without the counter (the window marks only).
+time comes from a second run without the counter (the window marks only). A dispatch mode counts its
+own thread only: the batches `msds train` builds ahead in its loader's thread (`data.prefetch`) are
+not in its count, those the hand-written loops build in their step are.
 """
 from __future__ import annotations
 
@@ -278,6 +281,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="ROW",
+                        help=f"which loops to measure (default all: {', '.join(ROWS)})")
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value",
                         help="msds config overrides for every row, e.g. data.max_predictions_per_seq=20")
     args = parser.parse_args(argv)
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
     import transformers
 
     shape = (args.width, args.layers, args.batch, args.seq)
-    rows = measure(args.data, args.precision, args.steps, shape, args.set)
+    rows = measure(args.data, args.precision, args.steps, shape, args.set, args.rows)
     args.json.write_text(json.dumps({
         "setting": {"machine": "CPU", "threads": args.threads, "versions": f"torch {torch.__version__}, deepspeed "
                     f"{deepspeed.__version__}, transformers {transformers.__version__}",

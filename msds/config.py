@@ -324,6 +324,12 @@ class DataConfig:
     smallest draws), so its losses differ from the default's; with none capped the loss is the same
     up to summation order. 0 (default) = every chosen token, selected by a boolean mask (a host sync
     per forward). Evidence: docs/experiments/2026-12-06-host-overhead.md."""
+    prefetch: int = 2
+    """Training batches a background thread builds ahead of the step that takes them (0 = each batch
+    built in the step, in the training thread). On CUDA they are built in pinned (page-locked) host
+    memory, so that their copy to the GPU runs asynchronously. The same batches in the same order
+    either way, and resuming is unaffected (the loader restarts from the trainer's consumed-sample
+    count): tests/test_data.py::test_prefetched_batches_are_the_same_batches."""
 
 
 @dataclass

@@ -202,7 +202,7 @@ def test_optimizer_state_flats_are_what_adamw_keeps_state_for():
         engine.destroy()
 
 
-def _zero1_clipped_run(patched: bool, precision: str, steps: int = 4):
+def _zero1_clipped_run(patched: bool, precision: str, steps: int = 4, contiguous_gradients: bool = True):
     """Weights, gradient norms and host reads of a ZeRO-1 engine over two Linear layers (two parameter
     groups) whose gradients are clipped (norm well above 0.01), with or without
     fewer_syncs_and_launches."""
@@ -215,7 +215,8 @@ def _zero1_clipped_run(patched: bool, precision: str, steps: int = 4):
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "gradient_clipping": 0.01, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 1}, "bf16": {"enabled": precision == "bf16", "check_grad_overflow": False}}
+              "zero_optimization": {"stage": 1, "contiguous_gradients": contiguous_gradients},
+              "bf16": {"enabled": precision == "bf16", "check_grad_overflow": False}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
                                            dist_init_required=False)
     if patched:
@@ -244,16 +245,51 @@ def _zero1_clipped_run(patched: bool, precision: str, steps: int = 4):
         engine.destroy()
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "not-contiguous"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fewer_syncs_patch_keeps_deepspeeds_values(precision):
+def test_fewer_syncs_patch_keeps_deepspeeds_values(precision, contiguous):
     """The patched ZeRO-1 step gives DeepSpeed's weights and norms to the bit, with no host read of
     the norm (DeepSpeed reads it twice a step: `is_invalid_grad_norm` in `step` and in
-    `unscale_and_clip_grads`)."""
-    ours, our_norms, our_reads = _zero1_clipped_run(True, precision)
-    theirs, their_norms, their_reads = _zero1_clipped_run(False, precision)
+    `unscale_and_clip_grads`); with `contiguous_gradients: false` (ds_configs/zero1.json) also
+    without the one-rank bucket reduction."""
+    ours, our_norms, our_reads = _zero1_clipped_run(True, precision, contiguous_gradients=contiguous)
+    theirs, their_norms, their_reads = _zero1_clipped_run(False, precision, contiguous_gradients=contiguous)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert [float(n) for n in our_norms] == [float(n) for n in their_norms] and float(our_norms[0]) > 0.01
     assert their_reads >= 2 * 3 and our_reads == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero1_without_contiguous_gradients_gives_the_same_weights(precision):
+    """ds_configs/zero1.json's `contiguous_gradients: false` (no copy of each gradient into a bucket
+    and again into the partition's buffer) steps to the same weights and norms as DeepSpeed's default,
+    patched and not."""
+    default, default_norms, _ = _zero1_clipped_run(False, precision, contiguous_gradients=True)
+    for patched in (False, True):
+        ours, our_norms, _ = _zero1_clipped_run(patched, precision, contiguous_gradients=False)
+        assert all(torch.equal(a, b) for a, b in zip(ours, default))
+        assert [float(n) for n in our_norms] == [float(n) for n in default_norms]
+
+
+def test_the_one_rank_reduction_patch_skips_the_bucket_reduction():
+    """With contiguous_gradients false, one rank and the patch, no gradient bucket is all-reduced."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AllReduces(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            AllReduces.count += "allreduce" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for patched in (False, True):
+        AllReduces.count = 0
+        with AllReduces():
+            _zero1_clipped_run(patched, "fp32", steps=2, contiguous_gradients=False)
+        counts.append(AllReduces.count)
+    # Unpatched: each step's bucket and the norm's all-reduce per group; patched: the norms only.
+    assert counts[1] < counts[0], counts
 
 
 def test_zero_managed_parameters():

@@ -136,6 +136,44 @@ def test_train_batches_resume_exactly_on_every_rank(data_bpe_dir):
             assert all(torch.equal(batch[key], expected[key]) for key in expected)
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetched_batches_are_the_same_batches(data_bert_dir, depth):
+    """data.prefetch: a background thread builds the same batches in the same order, from the start
+    and resumed mid-epoch (the loader restarts at the consumed-sample count), and stops on close."""
+    import threading
+
+    micro_batch, steps_done, seq_len = 4, 7, 64
+    info = load_tokenizer_info(data_bert_dir)
+    num_samples = len(build_samples(open_split(data_bert_dir, "train"), "bert", seq_len, 1, info))
+    assert steps_done * micro_batch % num_samples, "the resume falls inside an epoch"
+    plain = train_batches(data_bert_dir, "bert", seq_len, micro_batch, seed=1, dp_rank=0, dp_size=1)
+    reference = [next(plain) for _ in range(steps_done + 30)]
+    for consumed, expected in ((0, reference), (steps_done * micro_batch, reference[steps_done:])):
+        prefetched = train_batches(data_bert_dir, "bert", seq_len, micro_batch, seed=1, dp_rank=0, dp_size=1,
+                                   consumed_samples=consumed, prefetch=depth)
+        for batch in expected:
+            got = next(prefetched)
+            assert got.keys() == batch.keys() and all(torch.equal(got[key], batch[key]) for key in batch)
+        thread = prefetched._thread
+        prefetched.close()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    assert not any(t.name == "msds-prefetch" for t in threading.enumerate())
+
+
+def test_a_prefetch_threads_error_reaches_the_caller():
+    from msds.data.loader import Prefetcher
+
+    def failing():
+        yield {"x": torch.zeros(1)}
+        raise MsdsError("the corpus went away")
+
+    batches = Prefetcher(failing(), 2)
+    assert torch.equal(next(batches)["x"], torch.zeros(1))
+    with pytest.raises(MsdsError, match="the corpus went away"):
+        next(batches)
+
+
 # --------------------------------------------------------------------------------------------
 # Samples
 # --------------------------------------------------------------------------------------------

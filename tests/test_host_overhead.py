@@ -41,12 +41,35 @@ def test_msds_train_launches_at_most_1_3x_the_hand_written_loops_kernels(fp32_ro
     assert ours["kernel_ops_per_step"] <= 1.3 * hand["kernel_ops_per_step"], (ours, hand)
 
 
-@pytest.mark.xfail(strict=True, reason="DeepSpeed ZeRO-1's per-parameter gradient bucketing (views, copies: "
-                   "about 13 operations per parameter per step) is still there: "
-                   "docs/experiments/2026-12-06-host-overhead.md")
 def test_msds_train_dispatches_at_most_1_3x_the_hand_written_loops_operations(fp32_rows):
+    """Every dispatched operation, views and allocations included: ZeRO-1's gradient bucketing
+    (ds_configs/zero1.json's contiguous_gradients, msds.compat's one-rank reduction) is what
+    this budget watches."""
     ours, hand = fp32_rows
     assert ours["ops_per_step"] <= 1.3 * hand["ops_per_step"], (ours, hand)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_contiguous_gradients_off_trains_the_same_losses(train_corpus, tmp_path, precision):
+    """ds_configs/zero1.json turns ZeRO-1's contiguous_gradients off: the test V-cycle (every
+    transition, dropout on) gives DeepSpeed's default's per-step losses to the bit."""
+    from msds.config import load_run_config
+    from msds.train.loop import train
+    from msds.train.metrics import read_metrics
+
+    template = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    assert template["zero_optimization"]["contiguous_gradients"] is False
+    template["zero_optimization"]["contiguous_gradients"] = True
+    (tmp_path / "contiguous.json").write_text(json.dumps(template))
+    losses = []
+    for name, ds_config in (("off", "zero1.json"), ("on", str(tmp_path / "contiguous.json"))):
+        run_dir = tmp_path / name
+        train(load_run_config(REPO / "recipes" / "test" / "test-vcycle-bert.yaml", [
+            f"data.path={train_corpus}", f"run_dir={run_dir}", "logging.tensorboard=false",
+            f"training.precision={precision}", f"training.ds_config={ds_config}",
+            "multilevel.phase_steps=[3,3,3,3,3]"]))
+        losses.append([(r["step"], r["loss"]) for r in read_metrics(run_dir, "step")])
+    assert len(losses[0]) == 15 and losses[0] == losses[1]
 
 
 def test_the_benchmark_writes_every_row(train_corpus, tmp_path):

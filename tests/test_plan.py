@@ -62,6 +62,7 @@ def test_prototype_baseline_flops_match_the_recorded_bench(capsys):
     (["model.arch=bert", "model.nsp_head=true"], 1, r"^model\.nsp_head: no loss trains the next-sentence head"),
     (["multilevel.phase_steps=[6,6]"], 1, r"^multilevel\.phase_steps: 3 levels and 1 cycle\(s\) need 5 phases"),
     (["training.steps=7"], 1, r"^training\.steps: 7 differs from the sum of multilevel\.phase_steps \(30\)"),
+    (["data.prefetch=-1"], 1, r"^data\.prefetch: -1; set the number of batches built ahead"),
 ])
 def test_bad_layouts_and_settings_are_one_error(overrides, world, message, capsys):
     recipe = str(REPO / "recipes" / "test" / "test-vcycle-gpt.yaml")

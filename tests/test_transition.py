@@ -163,3 +163,42 @@ def test_fused_adamw_steps_after_a_transition(train_corpus, tmp_path):
     fused, plain = torch.optim.AdamW([param], fused=True), torch.optim.AdamW([param])
     assert _step_counter(fused, elsewhere, 3).device.type == "meta"
     assert _step_counter(plain, elsewhere, 3).device.type == "cpu"
+
+
+def test_a_transition_builds_the_same_engine_without_drawing_weights(train_corpus, tmp_path, monkeypatch):
+    """A transition's new model is built without drawing the weights its tensors then overwrite
+    (msds.model.transformer.weights_not_drawn): the same engine weights, the same global RNG after it,
+    and a V-cycle's per-step losses and transition records equal to the bit with the weights drawn."""
+    import contextlib
+
+    from msds.model.pipeline import named_parameters
+    from msds.train import engine as engine_module
+    from msds.train.loop import train
+    from msds.train.metrics import read_metrics
+
+    def run(name):
+        run_dir = tmp_path / name
+        train(load_run_config(RECIPE, [f"data.path={train_corpus}", f"run_dir={run_dir}",
+                                       "logging.tensorboard=false", "multilevel.phase_steps=[3,3,3,3,3]"]))
+        return ([(r["step"], r["loss"]) for r in read_metrics(run_dir, "step")],
+                [(r["loss_before"], r["loss_after"]) for r in read_metrics(run_dir, "transition")])
+
+    def rebuilt():
+        plan = build_plan(load_run_config(RECIPE, [f"data.path={train_corpus}", f"run_dir={tmp_path / 'b'}"]))
+        torch.manual_seed(3)
+        model = Transformer(plan.model(1), padded_vocab_size=plan.padded_vocab_size)
+        tensors = {name: p.detach().clone() for name, p in named_parameters(model)}
+        torch.manual_seed(5)
+        engine = build_engine(plan, plan.phases[0], tensors.items())
+        try:
+            return full_weights(engine), torch.get_rng_state()
+        finally:
+            destroy_engine(engine)
+
+    fast, fast_engine = run("not-drawn"), rebuilt()
+    monkeypatch.setattr(engine_module, "weights_not_drawn", contextlib.nullcontext)
+    drawn, drawn_engine = run("drawn"), rebuilt()
+    assert len(fast[0]) == 15 and len(fast[1]) == 4 and fast == drawn
+    assert sorted(fast_engine[0]) == sorted(drawn_engine[0])
+    assert all(torch.equal(fast_engine[0][n], drawn_engine[0][n]) for n in fast_engine[0])
+    assert torch.equal(fast_engine[1], drawn_engine[1])

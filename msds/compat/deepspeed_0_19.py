@@ -227,9 +227,10 @@ def checkpoint_writes_recorded(engine):
 
 
 def fewer_syncs_and_launches(engine) -> None:
-    """Three patches of a ZeRO-1/2 engine's optimizer (not under fp16, nor with CPU offload or MoE):
-    its gradient norm read by no host, as fewer operations, and the model's views of the flat weight
-    buffer re-pointed only when they moved. The same values as DeepSpeed's.
+    """Four patches of a ZeRO-1/2 engine's optimizer (not under fp16, nor with CPU offload or MoE):
+    its gradient norm read by no host, as fewer operations, the model's views of the flat weight
+    buffer re-pointed only when they moved, and no reduction of gradients over a data-parallel group
+    of one rank. The same values as DeepSpeed's.
 
     - `scaled_global_norm`: each group's norm from `torch._foreach_norm` over its gradients (one
       launch where DeepSpeed makes three per gradient), summed, all-reduced and combined as DeepSpeed
@@ -243,10 +244,18 @@ def fewer_syncs_and_launches(engine) -> None:
     - `_update_model_bit16_weights` (re-points every parameter at its slice of the flat buffer after
       each step, four operations per parameter, marked "we probably don't need this?" in DeepSpeed):
       skipped when every parameter already is that slice, as after each step.
+    - `buffered_reduce_fallback` (the reduction of a gradient bucket with
+      `zero_optimization.contiguous_gradients: false`: the bucket flattened, divided by the group's
+      size, all-reduced, and each gradient copied back from it, five operations per parameter):
+      skipped when the data-parallel group has one rank, no sequence parallelism and the gradients
+      are in the communication dtype, where it leaves every gradient as it was (a division by 1.0
+      and a sum over one rank are exact).
 
     Why: issue 59; benchmarks/host_overhead.py counts the operations and syncs per step with and
-    without. Remove when DeepSpeed norms over foreach or the flat buffer and reads no value;
-    tests/test_compat.py::test_fewer_syncs_patch_keeps_deepspeeds_values checks the values."""
+    without. Remove when DeepSpeed norms over foreach or the flat buffer, reads no value and skips a
+    one-rank reduction; tests/test_compat.py::test_fewer_syncs_patch_keeps_deepspeeds_values checks
+    the values (with and without contiguous gradients), and
+    test_the_one_rank_reduction_patch_skips_the_bucket_reduction the skipped all-reduce."""
     from deepspeed.runtime.zero import stage_1_and_2 as zero
 
     optimizer = engine.optimizer
@@ -257,6 +266,21 @@ def fewer_syncs_and_launches(engine) -> None:
     optimizer.scaled_global_norm = lambda norm_type=2: _foreach_scaled_global_norm(optimizer, norm_type)
     update = optimizer._update_model_bit16_weights
     optimizer._update_model_bit16_weights = lambda group: None if _views_in_place(optimizer, group) else update(group)
+    reduce = optimizer.buffered_reduce_fallback
+
+    def buffered_reduce_fallback(rank, grads, communication_data_type, *args, **kwargs):
+        if _reduction_is_identity(zero, optimizer, grads, communication_data_type):
+            return None
+        return reduce(rank, grads, communication_data_type, *args, **kwargs)
+
+    optimizer.buffered_reduce_fallback = buffered_reduce_fallback
+
+
+def _reduction_is_identity(zero, optimizer, grads, communication_data_type) -> bool:
+    """Whether DeepSpeed's bucket reduction would leave `grads` unchanged: one rank, no sequence
+    parallelism (its divisor), no cast to another dtype and back, no correctness-test mode."""
+    return (dist.get_world_size(group=optimizer.dp_process_group) == 1 and optimizer.sequence_parallel_size == 1
+            and not zero.pg_correctness_test and all(g.dtype == communication_data_type for g in grads))
 
 
 def _install_unread_norm_test(zero) -> None:

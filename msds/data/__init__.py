@@ -7,7 +7,8 @@ Trainer-facing API:
     open_split(data_dir, split) -> TokenDataset        (checks sizes and counts against the manifest)
     build_samples(dataset, arch, seq_len, seed, tokenizer_info) -> Samples
     ResumableSampler(num_samples, seed, dp_rank, dp_size, consumed_samples=0)
-    train_batches(data, arch, seq_len, micro_batch_size, seed, dp_rank, dp_size, consumed_samples=0)
+    train_batches(data, arch, seq_len, micro_batch_size, seed, dp_rank, dp_size, consumed_samples=0,
+                  prefetch=0, pin_memory=False)
     eval_batches(data, split, arch, seq_len, batch_size, max_batches, seed=0)
 
 The names are imported on first use (PEP 562), so that the tokenizer worker processes of

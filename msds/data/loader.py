@@ -5,11 +5,14 @@ The global sample stream is epoch after epoch, each a permutation of all samples
 r takes the positions g with g % dp_size == r, so the ranks together consume the stream in order,
 and a run that has consumed C global samples resumes every rank exactly at position C. A blend of
 datasets (`data.blend`) is visited in the order of msds.data.blend's `BlendedSampler`, resumable in
-the same way. Batches are built in the main process with vectorized numpy (see samples.py), which is far faster
-than the small CPU models train, so no worker processes are needed.
+the same way. Batches are built with vectorized numpy (see samples.py), in the main process or, with
+`prefetch`, ahead of the step in one background thread (`Prefetcher`) that also pins them for an
+asynchronous copy to a GPU; no worker processes are needed.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -59,11 +62,14 @@ def _split_samples(spec: DataSpec, split: str, arch: str, seq_len: int, seed: in
 
 
 def train_batches(data, arch: str, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int,
-                  dp_size: int, consumed_samples: int = 0) -> Iterator[dict]:
+                  dp_size: int, consumed_samples: int = 0, prefetch: int = 0,
+                  pin_memory: bool = False) -> Iterator[dict]:
     """Endless micro-batches of this rank's share of the train split, resumable from a sample count.
 
     `data` is a DataConfig (its path or blend) or the path of one dataset. The files' sizes and
-    counts are checked when this is called, before the first batch is requested.
+    counts are checked when this is called, before the first batch is requested. `prefetch` > 0:
+    a `Prefetcher` builds up to that many batches ahead (the same batches, in the same order);
+    `pin_memory`: each batch in page-locked memory (with `prefetch` only; needs CUDA).
     """
     if micro_batch_size < 1:
         raise MsdsError(f"micro_batch_size {micro_batch_size}: must be at least 1")
@@ -75,7 +81,61 @@ def train_batches(data, arch: str, seq_len: int, micro_batch_size: int, seed: in
     else:
         stream = iter(BlendedSampler(spec.weights, [len(s) for s in samples], seed, dp_rank, dp_size,
                                      consumed_samples))
-    return _batches(samples, stream, micro_batch_size)
+    batches = _batches(samples, stream, micro_batch_size)
+    return Prefetcher(batches, prefetch, pin_memory) if prefetch > 0 else batches
+
+
+class Prefetcher:
+    """An iterator over `batches` (endless) whose next `depth` items a daemon thread builds, and pins
+    with `pin_memory`, while the caller trains on the current one: the same items in the same order,
+    whatever the timing (one producer, one FIFO queue). An error in the thread is raised by the
+    `next` that would have returned its batch. `close()` (or garbage collection) stops the thread; the
+    batches it built ahead are dropped, which resuming does not notice (a loader restarts at the
+    consumed-sample count the trainer keeps, not at the loader's position)."""
+
+    def __init__(self, batches: Iterator[dict], depth: int, pin_memory: bool = False):
+        if depth < 1:
+            raise MsdsError(f"prefetch depth {depth}: must be at least 1")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        # The thread holds the queue, the event and the batches, never this object: dropping the
+        # iterator lets __del__ stop it.
+        self._thread = threading.Thread(target=_produce, args=(batches, self._queue, self._stop, pin_memory),
+                                        name="msds-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        kind, item = self._queue.get()
+        if kind == "error":
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __del__(self):
+        self._stop.set()
+
+
+def _produce(batches: Iterator[dict], out: queue.Queue, stop: threading.Event, pin_memory: bool) -> None:
+    while not stop.is_set():
+        try:
+            batch = next(batches)
+            item = ("batch", {key: value.pin_memory() for key, value in batch.items()} if pin_memory else batch)
+        except BaseException as error:   # noqa: BLE001 - handed to the consumer, which raises it
+            item = ("error", error)
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if item[0] == "error":
+            return
 
 
 def _batches(samples: list[Samples], stream: Iterator[tuple[int, int, int]], batch_size: int) -> Iterator[dict]:

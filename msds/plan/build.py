@@ -226,6 +226,9 @@ def _check_data(cfg: RunConfig) -> None:
         if cfg.parallel.pipeline > 1:
             raise ConfigError("data.sentence_order: the pipeline's last stage computes the masked-LM loss "
                               "only; set parallel.pipeline=1 or data.sentence_order=false")
+    if cfg.data.prefetch < 0:
+        raise ConfigError(f"data.prefetch: {cfg.data.prefetch}; set the number of batches built ahead, "
+                          f"or 0 (none)")
     k = cfg.data.max_predictions_per_seq
     if k and not (cfg.model.arch == "bert" and cfg.parallel.pipeline == 1 and 0 < k <= cfg.data.seq_len - 3):
         raise ConfigError(f"data.max_predictions_per_seq: {k} needs a BERT model without a pipeline and at most "

@@ -23,7 +23,7 @@ from msds.plan import Phase, RunPlan
 from msds.distributed import DeepSpeedMPU
 from msds.model.pipeline import PipelineTransformer, named_parameters, pipeline_batch
 from msds.model.roles import tensor_parallel_dim
-from msds.model.transformer import Transformer
+from msds.model.transformer import Transformer, weights_not_drawn
 from msds.train import faults
 from msds.train.guards import update_skipped
 
@@ -50,8 +50,10 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
     ds_config = plan.ds_config(phase)
     partitioned = tensors is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     # mem_efficient_linear off: Init would otherwise replace torch's linear while the model is built.
+    # Weights that `tensors` overwrite are not drawn first (weights_not_drawn: same RNG, same result).
     with (deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=DeepSpeedMPU, mem_efficient_linear=False)
-          if partitioned else contextlib.nullcontext()):
+          if partitioned else contextlib.nullcontext()), \
+            (weights_not_drawn() if tensors is not None and not partitioned else contextlib.nullcontext()):
         model = (PipelineTransformer if pipelined else Transformer)(model_cfg, padded_vocab_size=plan.padded_vocab_size,
                                                                      routed_layers=plan.routed_layers(phase.level))
     if tensors is not None:

@@ -101,7 +101,8 @@ class Trainer:
         return train_batches(self.cfg.data, self.cfg.model.arch, self.cfg.data.seq_len,
                              self.cfg.training.micro_batch_size, self.cfg.data.seed, self.dp_rank,
                              self.plan.layout.data,
-                             consumed_samples=self.state.consumed_samples)
+                             consumed_samples=self.state.consumed_samples, prefetch=self.cfg.data.prefetch,
+                             pin_memory=torch.cuda.is_available())
 
     def log_eval(self, engine) -> float:
         loss, sop_accuracy = evaluate(engine, self.eval_set)
@@ -253,6 +254,7 @@ class Trainer:
                 self.log_eval(engine)
             if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0 and self.state.step < total:
                 self.save(engine, "interval")
+        batches.close()   # a prefetching loader's thread stops (also when `batches` is dropped)
         final_loss = None
         if not exited_early:
             final_loss = self.log_eval(engine)
