@@ -1,6 +1,6 @@
 """The new model a transition builds before DeepSpeed wraps it, timed on the CPU with its weights
 drawn and then overwritten (as before issue 59's change) and with them not drawn
-(msds.model.transformer.weights_not_drawn, what msds.train.engine.build_engine does now): model
+(msds.train.engine.weights_not_drawn, what msds.train.engine.build_engine does now): model
 construction, and construction plus the copy of the transition's tensors (msds.train.engine._fill).
 Wall and process CPU time (user + system; the wall time of a shared machine is noisy), repetitions
 interleaved.
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     from msds.config import load_run_config
     from msds.distributed import init_distributed
     from msds.model.pipeline import named_parameters
-    from msds.model.transformer import Transformer, weights_not_drawn
+    from msds.model.transformer import Transformer
+    from msds.train.engine import weights_not_drawn
     from msds.plan import build_plan
     from msds.train.engine import _fill
 

@@ -167,7 +167,7 @@ def test_fused_adamw_steps_after_a_transition(train_corpus, tmp_path):
 
 def test_a_transition_builds_the_same_engine_without_drawing_weights(train_corpus, tmp_path, monkeypatch):
     """A transition's new model is built without drawing the weights its tensors then overwrite
-    (msds.model.transformer.weights_not_drawn): the same engine weights, the same global RNG after it,
+    (msds.train.engine.weights_not_drawn): the same engine weights, the same global RNG after it,
     and a V-cycle's per-step losses and transition records equal to the bit with the weights drawn."""
     import contextlib
 

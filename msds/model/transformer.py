@@ -64,35 +64,6 @@ def unit_rng(seed: int, unit: str):
         yield
 
 
-# torch.nn.init's in-place fills: every initialisation msds's models make (their own, torch's
-# modules' reset_parameters, megatron-core's init methods) calls them through the module attribute.
-_INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-               "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
-
-
-@contextlib.contextmanager
-def weights_not_drawn():
-    """Within it, torch.nn.init's fills leave their tensor as it is: a model built here has every
-    parameter allocated but not initialised (whatever torch.empty's memory held), for a caller that
-    then overwrites every parameter (msds.train.engine.build_engine from a transition's tensors,
-    which raises when one is not given). The global RNG advances as it would (the model's seed is
-    still drawn; the units draw from forked streams), so what follows draws the same numbers.
-    Evidence that the result is the same: tests/test_transition.py::
-    test_a_transition_builds_the_same_engine_without_drawing_weights."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
-    for name in _INIT_FILLS:
-        setattr(nn.init, name, _left_as_is)
-    try:
-        yield
-    finally:
-        for name, fill in saved.items():
-            setattr(nn.init, name, fill)
-
-
-def _left_as_is(tensor, *args, **kwargs):
-    return tensor
-
-
 def _vocab_init(std: float, vocab_size: int):
     """Normal rows for the vocabulary, zero rows for the padding after it: the vocabulary's rows come
     out as in an unpadded model with the same seed, and the padding stays zero in training (its

@@ -23,7 +23,7 @@ from msds.plan import Phase, RunPlan
 from msds.distributed import DeepSpeedMPU
 from msds.model.pipeline import PipelineTransformer, named_parameters, pipeline_batch
 from msds.model.roles import tensor_parallel_dim
-from msds.model.transformer import Transformer, weights_not_drawn
+from msds.model.transformer import Transformer
 from msds.train import faults
 from msds.train.guards import update_skipped
 
@@ -36,6 +36,35 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         (decay if len(ds_compat.full_shape(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# torch.nn.init's in-place fills: every initialisation msds's models make (their own, torch's
+# modules' reset_parameters, megatron-core's init methods) calls them through the module attribute.
+_INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+               "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def weights_not_drawn():
+    """Within it, torch.nn.init's fills leave their tensor as it is: a model built here has every
+    parameter allocated but not initialised (whatever torch.empty's memory held), for a caller that
+    then overwrites every parameter (build_engine from a transition's tensors, which raises
+    when one is not given). The global RNG advances as it would (the model's seed is
+    still drawn; the units draw from forked streams), so what follows draws the same numbers.
+    Evidence that the result is the same: tests/test_transition.py::
+    test_a_transition_builds_the_same_engine_without_drawing_weights."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FILLS}
+    for name in _INIT_FILLS:
+        setattr(torch.nn.init, name, _left_as_is)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(torch.nn.init, name, fill)
+
+
+def _left_as_is(tensor, *args, **kwargs):
+    return tensor
 
 
 def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch.Tensor]] | None):
