@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -178,6 +179,31 @@ def test_a_stopped_bench_stops_its_runs_with_a_checkpoint(train_corpus, tmp_path
     for name, log in zip(("baseline", "other"), logs):
         assert "(SIGUSR1); run again with the same config to resume" in log.read_text()
         assert (out / name / "checkpoints" / "latest").is_file() and not (out / name / "summary.json").exists()
+
+
+def test_a_stopped_one_job_bench_checkpoints_its_run(train_corpus, tmp_path):
+    """The same without --jobs: the run trains in the bench's own process, and SIGTERM becomes its
+    exit signal there too (a checkpoint after the current step), not a kill that loses the run."""
+    bench = {"base": {**MINIMAL["base"], "training": {"micro_batch_size": 4, "steps": 100000}},
+             "variants": {"baseline": {}}}
+    out, printed = tmp_path / "out", tmp_path / "printed.txt"
+    command = [sys.executable, "-m", "msds.cli", "bench", "--config", str(write(tmp_path, bench)), "--out", str(out),
+               f"data.path={train_corpus}"]
+    with open(printed, "w") as sink:
+        # A fresh one-process job: not the launcher variables an earlier in-process run left here.
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                 "MASTER_PORT")}
+        bench_process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while not (out / "baseline" / "metrics.jsonl").is_file() or \
+                '"event": "step"' not in (out / "baseline" / "metrics.jsonl").read_text():
+            assert bench_process.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(1)
+        bench_process.send_signal(signal.SIGTERM)
+        bench_process.wait(timeout=300)
+    text = printed.read_text()
+    assert bench_process.returncode != 0 and "baseline stopped early; run the same command again" in text, text[-2000:]
+    assert (out / "baseline" / "checkpoints" / "latest").is_file() and not (out / "baseline" / "summary.json").exists()
 
 
 def point(val_loss: float, flops: float, level: int = 1) -> EvalPoint:

@@ -117,6 +117,21 @@ def test_resume_after_skipped_steps_is_exact(train_corpus, tmp_path, monkeypatch
     assert [r["step"] for r in read_metrics(resumed, "bad_step")] == [3, 5, 7, 8]
 
 
+def test_a_rerun_after_a_kill_before_any_checkpoint_reports_only_itself(train_corpus, tmp_path):
+    """A run killed before its first checkpoint leaves a metrics.jsonl and nothing to resume; the
+    rerun starts from step 0, and what reports read (read_metrics) is the rerun's alone, equal to
+    a clean run's, not the abandoned attempt's steps followed by the rerun's."""
+    base = ["multilevel.enabled=false", "training.steps=6", "checkpoint.layout_free=false"]
+    clean, rerun = tmp_path / "clean", tmp_path / "rerun"
+    train(tiny_cfg(train_corpus, clean, *base))
+    train(tiny_cfg(train_corpus, rerun, *base, "optimizer.lr=0.05"))    # the abandoned attempt
+    shutil.rmtree(rerun / "checkpoints")                                # killed before it had one
+    train(tiny_cfg(train_corpus, rerun, *base))
+    assert len(read_metrics(rerun, "start")) == 1
+    assert losses(rerun) == losses(clean)
+    assert [r["val_loss"] for r in read_metrics(rerun, "eval")] == [r["val_loss"] for r in read_metrics(clean, "eval")]
+
+
 # -- torn and corrupt checkpoints, a full disk -------------------------------------------------
 
 def test_flipped_byte_in_a_checkpoint_falls_back_to_the_previous(train_corpus, tmp_path, capsys):

@@ -230,12 +230,35 @@ def _train_concurrently(runs: list[tuple[str, RunConfig, dict]], jobs: int, work
         signal.signal(signal.SIGTERM, previous)
 
 
+def _train_in_process(runs: list[tuple[str, RunConfig, dict]], work) -> None:
+    """`work` each run in this process, one after the other. A SIGTERM to the bench becomes the
+    running run's `training.exit_signal` (a checkpoint after its current step, then the bench
+    stops), as with `--jobs`: running the command again continues the run instead of restarting it."""
+    import signal
+
+    current: list[RunConfig] = []
+
+    def forward(signum, _frame):
+        if current and current[0].training.exit_signal:
+            os.kill(os.getpid(), getattr(signal, current[0].training.exit_signal))
+        else:
+            raise SystemExit(f"bench: stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        for name, cfg, record in runs:
+            print(f"bench: training {cfg.run_dir}", flush=True)
+            current[:] = [cfg]
+            work(name, cfg, record)
+            current.clear()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def train_runs(runs: list[tuple[str, RunConfig, dict]], jobs: int, work=_train_one) -> None:
     """`work` each run: one after the other, or `jobs` at a time."""
     if jobs == 1:
-        for name, cfg, record in runs:
-            print(f"bench: training {cfg.run_dir}", flush=True)
-            work(name, cfg, record)
+        _train_in_process(runs, work)
     elif runs:
         _train_concurrently(runs, jobs, work)
 

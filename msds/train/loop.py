@@ -211,10 +211,13 @@ class Trainer:
         if engine is None:
             seed_generators(cfg.training.seed)
             engine = build_engine(plan, self.phase, None)
-            self.say(f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
-                     f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "
-                     f"{plan.layout.pipeline}, data parallel {plan.layout.data}), ZeRO {cfg.training.zero_stage}, "
-                     f"{cfg.training.precision}")
+            # A start from step 0: what metrics.jsonl holds of an attempt killed before its first
+            # checkpoint is abandoned (read_metrics drops the records before this one).
+            self.log.event("start", {"step": 0},
+                           f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
+                           f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "
+                           f"{plan.layout.pipeline}, data parallel {plan.layout.data}), ZeRO {cfg.training.zero_stage}, "
+                           f"{cfg.training.precision}")
         batches = self.batches()
         steps_here, exited_early, any_rank_signalled = 0, False, False
         total = plan.total_steps

@@ -10,7 +10,7 @@ METRICS_FILE = "metrics.jsonl"
 
 class MetricsLogger:
     """Every event goes to metrics.jsonl as one JSON object with an `event` field: `step`, `eval`,
-    `transition`, `checkpoint`, `resume`. Steps are printed, and written to TensorBoard, every
+    `transition`, `checkpoint`, `start`, `resume`. Steps are printed, and written to TensorBoard, every
     `interval` steps (metrics.jsonl gets every step: reports read each step's loss)."""
 
     def __init__(self, run_dir: Path, enabled: bool, interval: int, total_steps: int, tensorboard: bool):
@@ -75,15 +75,18 @@ def read_metrics(run_dir: Path, event: str | None = None) -> list[dict]:
     """The records of a run's metrics.jsonl (optionally of one event kind), as its history stands.
     A run stopped without a checkpoint at its last step (killed, out of time) logged steps and
     evaluations past its last checkpoint; the resume from step S trains them again, so its `resume`
-    record drops the earlier records of steps after S: each step is read once, in order, and a
-    report never sees the abandoned attempt's losses or clock."""
+    record drops the earlier records of steps after S, and a `start` record (a start from step 0,
+    when no checkpoint was there to resume) drops every earlier record: each step is read once, in
+    order, and a report never sees the abandoned attempt's losses or clock."""
     path = Path(run_dir) / METRICS_FILE
     records: list[dict] = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
-        if record["event"] == "resume":
+        if record["event"] == "start":
+            records = []
+        elif record["event"] == "resume":
             records = [r for r in records if r.get("step", 0) <= record["step"]]
         records.append(record)
     return [r for r in records if event is None or r["event"] == event]
