@@ -39,13 +39,22 @@ COLUMNS = [
     {"key": "interior", "label": "reference interior?"},
     {"key": "flops_saving", "label": "FLOPs saved (mean / worst)", "format": "mean_worst", "digits": 1,
      "suffix": "%", "worst": "min"},
-    {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst", "digits": 1,
-     "suffix": "%", "worst": "min"},
     {"key": "missed", "label": "missed the target in seeds"},
     {"key": "loss_gap", "label": "final loss minus the reference's (mean / worst)", "format": "mean_worst",
      "digits": 3, "worst": "max"},
     {"key": "multiplier", "label": "compute multiplier k per seed"},
+    {"key": "quality", "label": "downstream, against the reference"},
 ]
+
+
+def _quality(results: dict, name: str) -> str:
+    """The bench's equal-quality verdict for a variant (msds/eval/bench.py: the paired standard error
+    over seeds), with where it was scored; "-" without an eval: section."""
+    record = (results.get("eval") or {}).get("variants", {}).get(name)
+    if record is None:
+        return "-"
+    where = " (at the target)" if results["eval"].get("at") == "target" else " (final models)"
+    return ("equal" if record["equal_quality"] else "worse on " + ", ".join(record["worse_than_reference"])) + where
 
 
 def non_embedding_parameters(config: dict) -> int:
@@ -74,7 +83,7 @@ def _percent(values: list) -> list | None:
     return None if any(v is None for v in values) else [round(100 * v, 2) for v in values]
 
 
-def rows(bench_dir: Path) -> list[dict]:
+def rows(bench_dir: Path, only: list[str] | None = None) -> list[dict]:
     results = json.loads((bench_dir / "results.json").read_text())
     seeds = list(results["per_seed"])
     seed_dir = bench_dir / f"seed{seeds[0]}"
@@ -85,7 +94,7 @@ def rows(bench_dir: Path) -> list[dict]:
     tokens = steps * config["training"]["micro_batch_size"] * config["training"]["grad_accum"] * config["data"]["seq_len"]
     out = []
     for name, variant in results["variants"].items():
-        if name in results["baseline_sweep"]:
+        if name in results["baseline_sweep"] or (only and name not in only):
             continue
         k = results.get("multiplier", {}).get("variants", {}).get(name)
         finals = variant["final_val_loss"]["per_seed"]
@@ -101,6 +110,7 @@ def rows(bench_dir: Path) -> list[dict]:
                     "missed": ", ".join(variant["missed_in_seeds"]) or "none",
                     "loss_gap": [round(f - t, 4) for f, t in zip(finals, targets)],
                     "multiplier": known if k is None else ", ".join(k["per_seed"]),
+                    "quality": _quality(results, name),
                     "seeds": seeds, "final_val_loss": finals, "target_val_loss": targets})
     return out
 
@@ -114,7 +124,7 @@ TREND_COLUMNS = [
     {"key": "variant", "label": "variant"},
     {"key": "budgets", "label": "tokens per parameter fitted", "format": "list", "digits": 1},
     {"key": "k_means", "label": "k (mean) at those budgets", "format": "list", "digits": 2},
-    {"key": "slope", "label": "k per decade of budget", "digits": 2},
+    {"key": "slope", "label": "slope of log k per decade of budget", "digits": 2},
     {"key": "k_one_at", "label": "k = 1 at tokens per parameter", "digits": 1},
     *({"key": f"k_at_{t}", "label": f"k at {t} ({name})", "digits": 2} for name, t in USER_BUDGETS.items()),
 ]
@@ -128,17 +138,22 @@ def _mean_k(row: dict) -> float | None:
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares k = a + b log10(tokens per parameter): (a, b)."""
+    """Least squares log10 k = a + b log10(tokens per parameter), a power law that keeps k positive:
+    (a, b)."""
     xs = [math.log10(t) for t, _ in points]
-    ys = [k for _, k in points]
+    ys = [math.log10(k) for _, k in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - b * mx, b
 
 
+def fitted_k(a: float, b: float, tokens_per_param: float) -> float:
+    return 10 ** (a + b * math.log10(tokens_per_param))
+
+
 def trend_rows(tables: list[dict]) -> list[dict]:
-    """Per architecture and variant with a numeric mean k at three or more budgets: the fitted trend
-    of k against log budget, where it crosses 1 and what it implies at USER_BUDGETS. An
+    """Per architecture and variant with a numeric mean k at three or more budgets: the fitted power
+    law of k against the budget, where it crosses 1 and what it implies at USER_BUDGETS. An
     extrapolation from one small shape: it says which way the saving goes, not its size there."""
     out = []
     for table in tables:
@@ -151,8 +166,8 @@ def trend_rows(tables: list[dict]) -> list[dict]:
             a, b = fit(points)
             row = {"arch": arch, "variant": variant, "budgets": [t for t, _ in points],
                    "k_means": [round(k, 3) for _, k in points], "slope": round(b, 3),
-                   "k_one_at": round(10 ** ((1 - a) / b), 1) if b < 0 else None}
-            row.update({f"k_at_{t}": round(a + b * math.log10(t), 3) for t in USER_BUDGETS.values()})
+                   "k_one_at": round(10 ** (-a / b), 1) if b < 0 else None}
+            row.update({f"k_at_{t}": round(fitted_k(a, b, t), 3) for t in USER_BUDGETS.values()})
             out.append(row)
     return out
 
@@ -176,15 +191,15 @@ def plot(tables: list[dict], path: Path) -> None:
             left.plot([r["tokens_per_param"] for r in reached],
                       [sum(r["flops_saving"]) / len(r["flops_saving"]) for r in reached], marker="o",
                       label=f"{arch} {variant}")
-            ks = [[float(v) for v in r["multiplier"].split(", ")] if r["multiplier"] and "<" not in r["multiplier"]
-                  and ">" not in r["multiplier"] else None for r in rows]
-            line, = right.plot([xi for xi, k in zip(x, ks) if k], [sum(k) / len(k) for k in ks if k], marker="o",
-                               label=f"{arch} {variant}")
-            points = [(xi, sum(k) / len(k)) for xi, k in zip(x, ks) if k]
+            points = [(r["tokens_per_param"], _mean_k(r)) for r in rows]
+            points = [(t, k) for t, k in points if k is not None]
+            line, = right.plot([t for t, _ in points], [k for _, k in points], marker="o", label=f"{arch} {variant}")
             if len(points) >= 3:
                 a, b = fit(points)
                 span = [min(x), max(USER_BUDGETS.values())]
-                right.plot(span, [a + b * math.log10(t) for t in span], linestyle="--", linewidth=0.8,
+                span = [10 ** (math.log10(span[0]) + i * (math.log10(span[1]) - math.log10(span[0])) / 20)
+                        for i in range(21)]
+                right.plot(span, [fitted_k(a, b, t) for t in span], linestyle="--", linewidth=0.8,
                            color=line.get_color())
     for ax, label in ((left, "FLOPs saved to the reference's final loss (%, mean)"),
                       (right, "compute multiplier k (mean)")):
@@ -203,6 +218,9 @@ def main() -> None:
     parser.add_argument("--arch", choices=["gpt", "bert"], help="the architecture of the bench directories")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--command", default="", help="the command line that produced the bench outputs")
+    parser.add_argument("--only", type=lambda text: text.split(","), metavar="A,B,..",
+                        help="rows of these variants only (default: every variant outside the baseline sweep)")
+    parser.add_argument("--date", default="2026-12-06", help="the date the bench outputs were measured")
     parser.add_argument("--plot", action="store_true", help="instead: draw the curve of the results tables (JSON) given "
                                                  "in place of bench directories into --out, a PNG")
     parser.add_argument("--trend", action="store_true", help="instead: fit k against log budget over the results "
@@ -232,9 +250,9 @@ def main() -> None:
              "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores shared with "
                                     f"other work (wall-clock savings are noisy)",
                          "versions": f"msds {commit}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
-                         "command": args.command, "date": "2026-12-06"},
+                         "command": args.command, "date": args.date},
              "columns": COLUMNS,
-             "rows": [row for d in args.bench_dirs for row in rows(d)],
+             "rows": [row for d in args.bench_dirs for row in rows(d, args.only)],
              "source": ", ".join(str(d / "results.json") for d in args.bench_dirs)}
     args.out.write_text(json.dumps(table, indent=1) + "\n")
 

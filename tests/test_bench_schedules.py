@@ -162,18 +162,21 @@ def test_a_run_finished_before_the_schedule_fields_existed_is_reused(tmp_path, t
 
 
 def test_the_budget_curve_trend_fits_k_against_log_budget():
-    """benchmarks/budget_curve.py --trend: k = a + b log10(T) through the numeric mean k's of a
-    variant, where it crosses 1, and nothing for a variant with fewer than three numeric budgets."""
+    """benchmarks/budget_curve.py --trend: log10 k = a + b log10(T) through the numeric mean k's of
+    a variant, where it crosses 1, and nothing for a variant with fewer than three numeric budgets."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import budget_curve
 
     def row(variant, t, ks):
         return {"variant": variant, "tokens_per_param": t, "multiplier": ks}
 
-    # k = 1.5 - 0.25 log10(T): 1.5 at 1, 1.25 at 10, 1 at 100.
-    rows = [row("vcycle", 1, "1.40, 1.60"), row("vcycle", 10, "1.25, 1.25"), row("vcycle", 100, "0.90, 1.10"),
-            row("vcycle", 1000, "< 0.5, 0.8"), row("other", 1, "1.2, 1.2"), row("other", 10, "> 2, 1.1")]
+    # k = 2 T^(-0.15): 2 at 1, 2 / 10^0.15 at 10, 1 at 10^(0.30103 / 0.15).
+    k = lambda t: 2 * t ** -0.15
+    rows = [row("vcycle", 1, f"{k(1) - 0.1}, {k(1) + 0.1}"), row("vcycle", 10, f"{k(10)}, {k(10)}"),
+            row("vcycle", 100, f"{k(100)}, {k(100)}"), row("vcycle", 1000, "< 0.5, 0.8"),
+            row("other", 1, "1.2, 1.2"), row("other", 10, "> 2, 1.1"), row("other", 100, "n/a, n/a")]
     trend = budget_curve.trend_rows([{"title": "budget curve, GPT (2 x 64)", "rows": rows}])
     assert [t["variant"] for t in trend] == ["vcycle"] and trend[0]["arch"] == "GPT"
-    assert trend[0]["budgets"] == [1, 10, 100] and trend[0]["slope"] == pytest.approx(-0.25)
-    assert trend[0]["k_one_at"] == pytest.approx(100) and trend[0]["k_at_20"] == pytest.approx(1.5 - 0.25 * math.log10(20), abs=1e-3)
+    assert trend[0]["budgets"] == [1, 10, 100] and trend[0]["slope"] == pytest.approx(-0.15, abs=2e-3)
+    assert trend[0]["k_one_at"] == pytest.approx(10 ** (math.log10(2) / 0.15), rel=0.02)
+    assert trend[0]["k_at_20"] == pytest.approx(k(20), rel=0.01) and trend[0]["k_at_430"] > 0
