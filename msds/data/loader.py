@@ -117,8 +117,7 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
 
-    def __del__(self):
-        self._stop.set()
+    __del__ = close
 
 
 def _produce(batches: Iterator[dict], out: queue.Queue, stop: threading.Event, pin_memory: bool) -> None:
