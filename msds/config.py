@@ -413,9 +413,9 @@ class TrainingConfig:
     benchmarks/gpu_check.py's `fast_step` section (BENCHMARKS.md, "The GPU check")."""
     hang_timeout_s: float = 1800.0
     """If no training step completes within this many seconds (start-up, evaluations, transitions
-    and checkpoint writes included), every rank writes the stack of each of its threads to stderr
-    and exits with status 1, so the job fails instead of hanging (docs/cluster.md, "Faults and what
-    they cost"). 0 = off."""
+    and checkpoint writes included), every rank writes the stack of each of its threads to
+    `<run_dir>/stacks/rank-<rank>.txt` and exits with status 1, so the job fails instead of hanging
+    (docs/cluster.md, "Faults and what they cost"). 0 = off."""
 
 
 @dataclass

@@ -12,8 +12,9 @@
 #   4. when the launcher exits 0 but the run has not finished, `scontrol requeue` this job; a
 #      finished run is never requeued;
 #   5. when the launcher fails because a rank's hang detector fired (training.hang_timeout_s: its
-#      faulthandler stacks, which start with `Timeout (H:MM:SS)!`, are in this launch's part of the
-#      job's stderr), `scontrol requeue` too: the requeued job resumes from the newest checkpoint.
+#      faulthandler stacks, which start with `Timeout (H:MM:SS)!`, are in the run directory's
+#      stacks/rank-<rank>.txt), `scontrol requeue` too: the requeued job resumes from the newest
+#      checkpoint.
 #      Any other failure ends the job as FAILED (a crash is a bug to read, not to loop on).
 #
 # A node that is lost (set DOWN by slurmctld when its slurmd stops answering, or by an operator
@@ -171,13 +172,21 @@ workers_are_training() {
         tail -n 1 "$METRICS" | grep -q '"event": "step"'
 }
 
-# The workers' stderr is the job's (srun passes it on): remember where this launch's part starts,
-# to recognise a hang detector's exit afterwards.
-JOB_STDERR=$(readlink -f /proc/$$/fd/2 || true)
-stderr_bytes_at_launch=$( [ -f "$JOB_STDERR" ] && stat -c %s "$JOB_STDERR" || echo 0 )
+# A rank's hang detector writes its stacks to $RUN_DIR/stacks/rank-<rank>.txt, after a header line
+# that each launch writes (msds/train/guards.py, HangWatchdog): this launch hung if a file written
+# since the launch has a `Timeout (H:MM:SS)!` line after its last header. The launch's mark is on
+# the run directory's filesystem, whose clock stamps the stacks files of every node.
+LAUNCH_MARK="$RUN_DIR/.launch-$SLURM_JOB_ID"
+touch "$LAUNCH_MARK"
+trap 'rm -f "$LAUNCH_MARK"' EXIT
 workers_hung() {
-    [ -f "$JOB_STDERR" ] &&
-        grep -qE '^Timeout \([0-9]+:[0-9]{2}:[0-9]{2}\)!$' <(tail -c +"$((stderr_bytes_at_launch + 1))" "$JOB_STDERR")
+    [ -d "$RUN_DIR/stacks" ] || return 1
+    local file
+    while IFS= read -r file; do
+        awk '/^# msds hang watchdog:/ { hung = 0 } /^Timeout \([0-9:]+\)!$/ { hung = 1 }
+             END { exit !hung }' "$file" && return 0
+    done < <(find "$RUN_DIR/stacks" -name 'rank-*.txt' -newer "$LAUNCH_MARK")
+    return 1
 }
 requeue() {
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "$MSDS_MAX_REQUEUES" ]; then
@@ -212,7 +221,7 @@ set -e
 # --- finished, stopped, or failed? -----------------------------------------------------------
 if [ "$launcher_status" -ne 0 ]; then
     if workers_hung; then
-        requeue "a rank hung (no step within training.hang_timeout_s; its stacks are above)"
+        requeue "a rank hung (no step within training.hang_timeout_s; its stacks are in $RUN_DIR/stacks)"
         exit 0
     fi
     say "training failed (exit status $launcher_status); not requeueing"

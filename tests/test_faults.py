@@ -24,6 +24,7 @@ import torch
 from msds.config import load_run_config
 from msds.errors import MsdsError
 from msds.train import checkpointing, faults
+from msds.train.guards import HangWatchdog
 from msds.train.loop import train
 from msds.train.metrics import read_metrics
 
@@ -188,6 +189,27 @@ def test_disk_full_while_checkpointing_stops_cleanly_and_resumes(train_corpus, t
     assert {step: again[step] for step in first} == first
 
 
+def test_hang_watchdog_writes_its_rank_file_and_a_clean_exit_leaves_it(tmp_path):
+    """The watchdog's file contract (slurm/train.sh reads it): a launch that hangs appends its
+    header and stacks and exits 1; a later launch that ends normally leaves the file as it was."""
+    stacks = tmp_path / "stacks" / "rank-3.txt"
+    script = ("import sys, time; from pathlib import Path; from msds.train.guards import HangWatchdog\n"
+              "with HangWatchdog(0.5, Path(sys.argv[1]), 3):\n"
+              "    time.sleep(float(sys.argv[2]))\n")
+    hung = subprocess.run([sys.executable, "-c", script, str(stacks), "30"], capture_output=True, text=True)
+    assert hung.returncode == 1, hung.stderr
+    text = stacks.read_text()
+    assert text.startswith(f"{HangWatchdog.HEADER} rank 3,") and "Timeout (0:00:00.500000)!" in text, text
+    assert re.search(r'File "<string>", line 3 in <module>', text), text
+    assert "Timeout" not in hung.stderr
+    clean = subprocess.run([sys.executable, "-c", script, str(stacks), "0"], capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stderr
+    assert stacks.read_text() == text
+    stacks.unlink()
+    subprocess.run([sys.executable, "-c", script, str(stacks), "0"], check=True)
+    assert not stacks.parent.exists()
+
+
 # -- killed and hung ranks: one chain of two-process launches -----------------------------------
 
 # A V-cycle of 12 steps (phases of 2, 2, 4, 2, 2: down transitions after steps 2 and 4, up after 8
@@ -299,16 +321,23 @@ def test_rank_killed_inside_an_up_transition(chain):
 
 @chain_timeout
 def test_hung_rank_ends_the_job_with_every_stack(chain):
-    _, launches = chain
+    work, launches = chain
     hang = launches["hang"]
     assert hang.returncode != 0, hang.output[-3000:]
-    # Both ranks' watchdogs fired, each writing its stack: rank 1 asleep in the fault point, rank 0
-    # inside the same training step, waiting for rank 1 in a collective.
-    assert hang.output.count(f"Timeout ({HANG_TIMEOUT_TEXT})!") == 2, hang.output[-5000:]
-    assert re.search(r'File ".*msds/train/faults\.py", line \d+ in point', hang.output)
-    assert len(re.findall(r'File ".*msds/train/engine\.py", line \d+ in train_step', hang.output)) == 2
     assert hang.seconds_after_fault < HANG_TIMEOUT + KILL_BOUND_S, hang.seconds_after_fault
     assert launches["end"].resumed_from() == 8
+    # Both ranks' watchdogs fired, each writing its stacks to its own file (in one stream, dumps
+    # written at the same moment interleave mid-line): rank 1 asleep in the fault point, rank 0
+    # inside the same training step, waiting for rank 1 in a collective. Only the hang's launch has
+    # stacks in the files (a killed launch leaves its header with nothing after it; the last one
+    # cut its header off as it ended).
+    stacks = {rank: (work / "chain" / "stacks" / f"rank-{rank}.txt").read_text() for rank in (0, 1)}
+    for rank, text in stacks.items():
+        hung = [part for part in text.split(HangWatchdog.HEADER)[1:] if f"Timeout ({HANG_TIMEOUT_TEXT})!" in part]
+        assert len(hung) == 1, text
+        assert re.search(r'File ".*msds/train/engine\.py", line \d+ in train_step', hung[0]), text
+        assert bool(re.search(r'File ".*msds/train/faults\.py", line \d+ in point', hung[0])) == (rank == 1), text
+    assert "Timeout" not in hang.output   # stderr stays readable
 
 
 @chain_timeout

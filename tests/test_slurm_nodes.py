@@ -116,14 +116,15 @@ def test_a_hung_rank_is_requeued_and_resumes_exactly(one_node_jobs):
     workdir, reference, hanging, infos = one_node_jobs
     assert infos[reference]["JobState"] == "COMPLETED", job_log(workdir, reference)[-3000:]
     assert infos[reference]["Restarts"] == "0"
+    assert not (run_dir(workdir, reference) / "stacks").exists()   # a run that never hung leaves no stacks
     log = job_log(workdir, hanging)
     assert infos[hanging]["JobState"] == "COMPLETED", f"{infos[hanging]}\n{log[-3000:]}"
     assert infos[hanging]["Restarts"] == "1"
-    assert f"Timeout (0:00:{HANG_TIMEOUT_S})!" in log
     assert "a rank hung" in log and "requeueing" in log and "training finished" in log
     assert log.count(f"global batch {GLOBAL_BATCH} on 1 node(s): training.grad_accum=2") == 2
 
     run = run_dir(workdir, hanging)
+    assert f"Timeout (0:00:{HANG_TIMEOUT_S})!" in (run / "stacks" / "rank-0.txt").read_text()
     resumes = read_metrics(run, "resume")
     assert [r["step"] for r in resumes] == [HANG_AT - HANG_AT % CHECKPOINT_INTERVAL]
     assert list(step_losses(run)) == list(range(1, TOTAL_STEPS + 1))

@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import math
-import sys
+import os
+import socket
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -103,22 +106,51 @@ def update_skipped(engine):
 class HangWatchdog:
     """Ends the process when no step completes within `training.hang_timeout_s`: faulthandler's
     own thread (it runs even while the main thread waits inside a collective or a C call) writes
-    the stack of every thread of this rank to stderr, then exits with status 1; the launcher then
-    ends the other ranks and the job fails, and Slurm can requeue it. The timeout covers anything
-    between two steps too: evaluations, transitions and checkpoint writes."""
+    the stack of every thread of this rank to the rank's own file, then exits with status 1; the
+    launcher then ends the other ranks and the job fails, and Slurm can requeue it. The timeout
+    covers anything between two steps too: evaluations, transitions and checkpoint writes.
 
-    def __init__(self, timeout_s: float):
+    One file per rank (`stacks_file`), not stderr: every rank's watchdog fires at about the same
+    time, and faulthandler writes a line in several pieces, so dumps sharing one stream interleave
+    mid-line. The file is appended to: each launch writes a header (`HEADER`, the rank, host and
+    process) and cuts it off again when its run returns or raises, so the file keeps the stacks of
+    every launch that hung, each after its header (slurm/train.sh looks for them), and the bare
+    header of a launch that was killed. A run that never hung leaves no file."""
+
+    HEADER = "# msds hang watchdog:"
+
+    def __init__(self, timeout_s: float, stacks_file: Path, rank: int):
         self.timeout_s = timeout_s
+        self.stacks_file = stacks_file
+        self.rank = rank
+        self._file = None
+        self._start = 0
 
     def arm(self) -> None:
         """(Re)start the countdown: on entry and after every step."""
-        if self.timeout_s:
-            faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=sys.__stderr__)   # fd 2
+        if self._file is not None:
+            faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
 
     def __enter__(self) -> "HangWatchdog":
-        self.arm()
+        if self.timeout_s:
+            self.stacks_file.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.stacks_file, "a")
+            self._start = self._file.tell()
+            self._file.write(f"{self.HEADER} rank {self.rank}, host {socket.gethostname()}, pid {os.getpid()}, "
+                             f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; its stacks follow if no step "
+                             f"completed within {self.timeout_s:g} s\n")
+            self._file.flush()
+            self.arm()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.timeout_s:
-            faulthandler.cancel_dump_traceback_later()
+        if self._file is None:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        self._file.truncate(self._start)
+        self._file.close()
+        self._file = None
+        if self._start == 0:
+            self.stacks_file.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):   # another rank's file is still there
+                self.stacks_file.parent.rmdir()
