@@ -31,6 +31,9 @@ from pathlib import Path
 import yaml
 
 EMBEDDINGS = ("embeddings.word.weight", "embeddings.position.weight", "embeddings.token_type.weight")
+# Only for benches run one run at a time on an idle machine (--wallclock).
+WALLCLOCK = {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst",
+             "digits": 1, "suffix": "%", "worst": "min"}
 COLUMNS = [
     {"key": "tokens_per_param", "label": "tokens per non-embedding parameter", "digits": 2},
     {"key": "steps", "label": "baseline steps", "digits": 0},
@@ -40,6 +43,7 @@ COLUMNS = [
     {"key": "flops_saving", "label": "FLOPs saved (mean / worst)", "format": "mean_worst", "digits": 1,
      "suffix": "%", "worst": "min"},
     {"key": "missed", "label": "missed the target in seeds"},
+    WALLCLOCK,
     {"key": "loss_gap", "label": "final loss minus the reference's (mean / worst)", "format": "mean_worst",
      "digits": 3, "worst": "max"},
     {"key": "multiplier", "label": "compute multiplier k per seed"},
@@ -73,6 +77,8 @@ def _schedule(optimizer: dict) -> str:
 
 
 def _interior(check: dict) -> str:
+    if check["interior"] is None:   # a bench without a sweep: its baseline was chosen elsewhere
+        return "not swept here"
     if check["interior"]:
         return "yes"
     edges = [f"{dim} edge" for dim, d in check["dimensions"].items() if not d["interior"]]
@@ -221,6 +227,9 @@ def main() -> None:
     parser.add_argument("--only", type=lambda text: text.split(","), metavar="A,B,..",
                         help="rows of these variants only (default: every variant outside the baseline sweep)")
     parser.add_argument("--date", default="2026-12-06", help="the date the bench outputs were measured")
+    parser.add_argument("--wallclock", action="store_true",
+                        help="with the wall-clock saving: for benches that ran one run at a time on an otherwise idle "
+                             "machine (without it the column is left out: wall-clock under shared load is noise)")
     parser.add_argument("--plot", action="store_true", help="instead: draw the curve of the results tables (JSON) given "
                                                  "in place of bench directories into --out, a PNG")
     parser.add_argument("--trend", action="store_true", help="instead: fit k against log budget over the results "
@@ -247,11 +256,12 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     table = {"title": f"Issue 58's budget curve, {args.arch.upper()} (2 x 64, 1,024 tokens per step): the V-cycle "
                       f"against the best of a schedule x learning-rate sweep at each budget",
-             "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores shared with "
-                                    f"other work (wall-clock savings are noisy)",
+             "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, " + (
+                                    "one run at a time, nothing else running" if args.wallclock else
+                                    "shared with other work (wall-clock savings are noisy)"),
                          "versions": f"msds {commit}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
                          "command": args.command, "date": args.date},
-             "columns": COLUMNS,
+             "columns": [c for c in COLUMNS if args.wallclock or c is not WALLCLOCK],
              "rows": [row for d in args.bench_dirs for row in rows(d, args.only)],
              "source": ", ".join(str(d / "results.json") for d in args.bench_dirs)}
     args.out.write_text(json.dumps(table, indent=1) + "\n")

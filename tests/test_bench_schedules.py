@@ -180,3 +180,15 @@ def test_the_budget_curve_trend_fits_k_against_log_budget():
     assert trend[0]["budgets"] == [1, 10, 100] and trend[0]["slope"] == pytest.approx(-0.15, abs=2e-3)
     assert trend[0]["k_one_at"] == pytest.approx(10 ** (math.log10(2) / 0.15), rel=0.02)
     assert trend[0]["k_at_20"] == pytest.approx(k(20), rel=0.01) and trend[0]["k_at_430"] > 0
+
+
+def test_the_budget_curve_names_a_reference_it_did_not_sweep():
+    """A bench without a baseline sweep (its reference chosen by another bench) is "not swept here",
+    never an edge: the sweep check's `interior` is None there."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import budget_curve
+
+    assert budget_curve._interior({"interior": None, "dimensions": {}}) == "not swept here"
+    assert budget_curve._interior({"interior": True, "dimensions": {}}) == "yes"
+    edge = {"interior": False, "dimensions": {"lr_factor": {"interior": False}, "warmup_steps": {"interior": True}}}
+    assert budget_curve._interior(edge) == "NO (lr_factor edge)"
