@@ -44,10 +44,14 @@ def test_the_grid_is_schedules_x_rates_x_warmups_named_by_what_differs(tmp_path,
                                  baseline_schedule_sweep=[SCHEDULES[0], {**SCHEDULES[1], "lr_factors": [1]}]))
     assert list(narrower) == ["baseline", "baseline-lr0.5x", "baseline-lr2x", "baseline-linear0"]
     # And one with its own warmups: the neighbours along the warmup of one schedule only.
-    warm = sweep_grid(_bench(baseline_lr_sweep=[0.5, 1, 2],
-                             baseline_schedule_sweep=[{**SCHEDULES[2], "lr_factors": [1], "warmups": [1, 2, 4]}]))
+    warm = sweep_grid(_bench(baseline_schedule_sweep=[{**SCHEDULES[2], "lr_factors": [1], "warmups": [1, 2, 4]}]))
     assert list(warm) == ["baseline", "baseline-wsd0-d0.25-wu1", "baseline-wsd0-d0.25", "baseline-wsd0-d0.25-wu4"]
     assert warm["baseline-wsd0-d0.25-wu4"]["coords"] == {"schedule": "wsd0-d0.25", "lr_factor": 1, "warmup_steps": 4}
+    # A rate sweep that no schedule takes (every entry has its own factors, the baseline's own
+    # schedule is not an entry) would leave the reference untuned without a word: refused.
+    with pytest.raises(ConfigError, match=r"^baseline_lr_sweep: no schedule of the sweep uses it: .*add "
+                                          r"\{schedule: cosine, \.\.\.\} to baseline_schedule_sweep"):
+        sweep_grid(_bench(baseline_lr_sweep=[0.5, 1, 2], baseline_schedule_sweep=[{**SCHEDULES[1], "lr_factors": [1]}]))
     for bad in ([], [1.5], "4", [-1]):
         with pytest.raises(ConfigError, match=r"^baseline_schedule_sweep\[0\]\.warmups: expected a non-empty list"):
             sweep_grid(_bench(baseline_schedule_sweep=[{**SCHEDULES[2], "warmups": bad}]))

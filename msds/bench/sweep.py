@@ -66,7 +66,15 @@ def grid(bench: dict, optimizer: dict, factors: list[float], warmups: list[int],
     own = schedule_label(own_option)
     members = {prefix: {"coords": {"schedule": own, "lr_factor": 1.0, "warmup_steps": warmup},
                         "optimizer": {**own_option, "lr": lr, "warmup_steps": warmup}}}
-    for option in schedule_options(bench, optimizer):
+    options = schedule_options(bench, optimizer)
+    for key, values, own_key in (("baseline_lr_sweep", factors, "lr_factors"),
+                                 ("baseline_warmup_sweep", warmups, "warmups")):
+        if len(values) > 1 and all(own_key in option for option in options):
+            raise ConfigError(f"{key}: no schedule of the sweep uses it: every baseline_schedule_sweep entry gives "
+                              f"its own {own_key}, and the baseline's own schedule ({own}) is swept only where an "
+                              f"entry lists it; add {{schedule: {own_option['schedule']}, ...}} to "
+                              f"baseline_schedule_sweep, or drop {key}")
+    for option in options:
         option = dict(option)
         own_factors, own_warmups = option.pop("lr_factors", factors), option.pop("warmups", warmups)
         for steps, factor in itertools.product(own_warmups, own_factors):
