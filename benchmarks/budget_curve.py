@@ -160,7 +160,8 @@ def fitted_k(a: float, b: float, tokens_per_param: float) -> float:
 def trend_rows(tables: list[dict]) -> list[dict]:
     """Per architecture and variant with a numeric mean k at three or more budgets: the fitted power
     law of k against the budget, where it crosses 1 and what it implies at USER_BUDGETS. An
-    extrapolation from one small shape: it says which way the saving goes, not its size there."""
+    extrapolation from one small shape: it says which way the saving goes, not its size there. A
+    longer budget measured with k below 1 in every seed overrules the fit from there on."""
     out = []
     for table in tables:
         arch = table["title"].split(",")[1].split("(")[0].strip()
@@ -174,14 +175,29 @@ def trend_rows(tables: list[dict]) -> list[dict]:
                    "k_means": [round(k, 3) for _, k in points], "slope": round(b, 3),
                    "k_one_at": round(10 ** (-a / b), 1) if b < 0 else None}
             row.update({f"k_at_{t}": round(fitted_k(a, b, t), 3) for t in USER_BUDGETS.values()})
+            bound = measured_below_one(table["rows"], variant, points[-1][0], (a, b))
+            if bound:
+                row["k_one_at"] = f"below {bound:.0f} (measured)"
+                row.update({f"k_at_{t}": f"< 1 (measured at {bound:.0f})" for t in USER_BUDGETS.values() if t >= bound})
             out.append(row)
     return out
+
+
+def measured_below_one(rows: list[dict], variant: str, after: float, law: tuple[float, float]) -> float | None:
+    """The first budget past `after` where `variant` ended above the reference in every seed (k
+    below 1, a measurement) while the fitted `law` still says k >= 1 there: the fit is overruled
+    from that budget on. None without one."""
+    for r in rows:
+        if r["variant"] == variant and r["tokens_per_param"] > after and \
+                all(v.strip() == "< 1" for v in r["multiplier"].split(",")):
+            return r["tokens_per_param"] if fitted_k(*law, r["tokens_per_param"]) >= 1 else None
+    return None
 
 
 def plot(tables: list[dict], path: Path) -> None:
     """FLOPs saving and compute multiplier k of each V-cycle try against tokens per parameter, one
     panel each: the mean over seeds, where every seed has a number (reached the target; k inside
-    the measured range)."""
+    the measured range); a downward triangle at k = 1 where every seed ended above the reference."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,9 +216,11 @@ def plot(tables: list[dict], path: Path) -> None:
             points = [(r["tokens_per_param"], _mean_k(r)) for r in rows]
             points = [(t, k) for t, k in points if k is not None]
             line, = right.plot([t for t, _ in points], [k for _, k in points], marker="o", label=f"{arch} {variant}")
+            below = [r["tokens_per_param"] for r in rows if all(v.strip() == "< 1" for v in r["multiplier"].split(","))]
+            right.plot(below, [1] * len(below), marker="v", linestyle="none", color=line.get_color())   # k < 1 there
             if len(points) >= 3:
                 a, b = fit(points)
-                span = [min(x), max(USER_BUDGETS.values())]
+                span = [min(x), measured_below_one(rows, variant, points[-1][0], (a, b)) or max(USER_BUDGETS.values())]
                 span = [10 ** (math.log10(span[0]) + i * (math.log10(span[1]) - math.log10(span[0])) / 20)
                         for i in range(21)]
                 right.plot(span, [fitted_k(a, b, t) for t in span], linestyle="--", linewidth=0.8,

@@ -49,8 +49,8 @@ def test_the_grid_is_schedules_x_rates_x_warmups_named_by_what_differs(tmp_path,
     assert warm["baseline-wsd0-d0.25-wu4"]["coords"] == {"schedule": "wsd0-d0.25", "lr_factor": 1, "warmup_steps": 4}
     # A rate sweep that no schedule takes (every entry has its own factors, the baseline's own
     # schedule is not an entry) would leave the reference untuned without a word: refused.
-    with pytest.raises(ConfigError, match=r"^baseline_lr_sweep: no schedule of the sweep uses it: .*add "
-                                          r"\{schedule: cosine, \.\.\.\} to baseline_schedule_sweep"):
+    with pytest.raises(ConfigError, match=r"^baseline_lr_sweep: no schedule of the sweep uses it: .*list an entry "
+                                          r"without lr_factors, such as \{schedule: cosine, \.\.\.\}, or drop"):
         sweep_grid(_bench(baseline_lr_sweep=[0.5, 1, 2], baseline_schedule_sweep=[{**SCHEDULES[1], "lr_factors": [1]}]))
     for bad in ([], [1.5], "4", [-1]):
         with pytest.raises(ConfigError, match=r"^baseline_schedule_sweep\[0\]\.warmups: expected a non-empty list"):
@@ -184,6 +184,11 @@ def test_the_budget_curve_trend_fits_k_against_log_budget():
     assert trend[0]["budgets"] == [1, 10, 100] and trend[0]["slope"] == pytest.approx(-0.15, abs=2e-3)
     assert trend[0]["k_one_at"] == pytest.approx(10 ** (math.log10(2) / 0.15), rel=0.02)
     assert trend[0]["k_at_20"] == pytest.approx(k(20), rel=0.01) and trend[0]["k_at_430"] > 0
+    # A longer budget where every seed ended above the reference overrules a fit still above 1 there.
+    flat = [row("depth", t, "1.3, 1.3") for t in (1, 4, 12)] + [row("depth", 102, "< 1, < 1")]
+    bounded = budget_curve.trend_rows([{"title": "budget curve, GPT (2 x 64)", "rows": flat}])[0]
+    assert bounded["budgets"] == [1, 4, 12] and bounded["k_one_at"] == "below 102 (measured)"
+    assert bounded["k_at_20"] == pytest.approx(1.3) and bounded["k_at_118"] == "< 1 (measured at 102)"
 
 
 def test_the_budget_curve_names_a_reference_it_did_not_sweep():

@@ -71,9 +71,9 @@ def grid(bench: dict, optimizer: dict, factors: list[float], warmups: list[int],
                                  ("baseline_warmup_sweep", warmups, "warmups")):
         if len(values) > 1 and all(own_key in option for option in options):
             raise ConfigError(f"{key}: no schedule of the sweep uses it: every baseline_schedule_sweep entry gives "
-                              f"its own {own_key}, and the baseline's own schedule ({own}) is swept only where an "
-                              f"entry lists it; add {{schedule: {own_option['schedule']}, ...}} to "
-                              f"baseline_schedule_sweep, or drop {key}")
+                              f"its own {own_key} (the baseline's own schedule, {own}, is swept only as an entry); "
+                              f"list an entry without {own_key}, such as {{schedule: {own_option['schedule']}, ...}}, "
+                              f"or drop {key}")
     for option in options:
         option = dict(option)
         own_factors, own_warmups = option.pop("lr_factors", factors), option.pop("warmups", warmups)
