@@ -143,6 +143,11 @@ def _mean_k(row: dict) -> float | None:
     return sum(float(v) for v in values) / len(values)
 
 
+def _below_one(row: dict) -> bool:
+    """Every seed ended above the reference (k below 1, no number)."""
+    return all(v.strip() == "< 1" for v in row["multiplier"].split(","))
+
+
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares log10 k = a + b log10(tokens per parameter), a power law that keeps k positive:
     (a, b)."""
@@ -188,8 +193,7 @@ def measured_below_one(rows: list[dict], variant: str, after: float, law: tuple[
     below 1, a measurement) while the fitted `law` still says k >= 1 there: the fit is overruled
     from that budget on. None without one."""
     for r in rows:
-        if r["variant"] == variant and r["tokens_per_param"] > after and \
-                all(v.strip() == "< 1" for v in r["multiplier"].split(",")):
+        if r["variant"] == variant and r["tokens_per_param"] > after and _below_one(r):
             return r["tokens_per_param"] if fitted_k(*law, r["tokens_per_param"]) >= 1 else None
     return None
 
@@ -216,7 +220,7 @@ def plot(tables: list[dict], path: Path) -> None:
             points = [(r["tokens_per_param"], _mean_k(r)) for r in rows]
             points = [(t, k) for t, k in points if k is not None]
             line, = right.plot([t for t, _ in points], [k for _, k in points], marker="o", label=f"{arch} {variant}")
-            below = [r["tokens_per_param"] for r in rows if all(v.strip() == "< 1" for v in r["multiplier"].split(","))]
+            below = [r["tokens_per_param"] for r in rows if _below_one(r)]
             right.plot(below, [1] * len(below), marker="v", linestyle="none", color=line.get_color())   # k < 1 there
             if len(points) >= 3:
                 a, b = fit(points)
