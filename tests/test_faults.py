@@ -194,7 +194,7 @@ def test_hang_watchdog_writes_its_rank_file_and_a_clean_exit_leaves_it(tmp_path)
     header and stacks and exits 1; a later launch that ends normally leaves the file as it was."""
     stacks = tmp_path / "stacks" / "rank-3.txt"
     script = ("import sys, time; from pathlib import Path; from msds.train.guards import HangWatchdog\n"
-              "with HangWatchdog(0.5, Path(sys.argv[1]), 3):\n"
+              "with HangWatchdog(0.5, Path(sys.argv[1]).parents[1], 3):\n"
               "    time.sleep(float(sys.argv[2]))\n")
     hung = subprocess.run([sys.executable, "-c", script, str(stacks), "30"], capture_output=True, text=True)
     assert hung.returncode == 1, hung.stderr

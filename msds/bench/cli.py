@@ -17,9 +17,10 @@ every run, `variants`: name -> overrides of `base` (one must be named `baseline`
   schedules (optimizer.schedule and its fields; names gain e.g. `-linear0`, `-wsd0-d0.2` where the
   schedule is not the baseline's own); an entry's own `lr_factors: [...]` and `warmups: [...]` replace
   the two sweeps above for that schedule. With this list the baseline's own schedule is swept only
-  where an entry names it (a rate or warmup sweep that no entry takes is refused). The report says whether the reference is an interior optimum
-  (along the learning rate and the warmup, where more than one value was swept, both neighbours
-  were run and ended worse) and warns loudly when it sits at a grid edge (msds/bench/sweep.py).
+  where an entry names it (a rate or warmup sweep that no entry takes is refused). The report says
+  whether the reference is an interior optimum (along the learning rate and the warmup, where more
+  than one value was swept, both neighbours were run and ended worse) and warns loudly when it sits
+  at a grid edge (msds/bench/sweep.py).
 - `reference_budgets: [1.5, 2]`: the reference is also trained at these multiples of its steps, each
   with its own full schedule, and each other variant gets its compute multiplier k: the FLOPs the
   baseline needs to end at the variant's final loss, in multiples of its own (msds/bench/multiplier.py).

@@ -119,9 +119,9 @@ class HangWatchdog:
 
     HEADER = "# msds hang watchdog:"
 
-    def __init__(self, timeout_s: float, stacks_file: Path, rank: int):
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int):
         self.timeout_s = timeout_s
-        self.stacks_file = stacks_file
+        self.stacks_file = run_dir / "stacks" / f"rank-{rank}.txt"
         self.rank = rank
         self._file = None
         self._start = 0

@@ -85,8 +85,7 @@ class Trainer:
         self.eval_set = eval_batches(cfg.data, cfg.logging.eval_split, cfg.model.arch, cfg.data.seq_len,
                                      cfg.training.micro_batch_size, cfg.logging.eval_batches, seed=cfg.data.seed)
         self.guard = StepGuard(cfg.training, self.world, self.log)
-        self.watchdog = HangWatchdog(cfg.training.hang_timeout_s, self.run_dir / "stacks" / f"rank-{self.rank}.txt",
-                                     self.rank)
+        self.watchdog = HangWatchdog(cfg.training.hang_timeout_s, self.run_dir, self.rank)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -287,7 +286,7 @@ def train(cfg: RunConfig) -> RunSummary:
     trainer = Trainer(plan)
     if cfg.training.hang_timeout_s:
         trainer.say(f"hang watchdog: a rank with no step for {cfg.training.hang_timeout_s:g} s writes its stacks to "
-                    f"{run_dir / 'stacks'}/rank-<rank>.txt and exits (training.hang_timeout_s)")
+                    f"{trainer.watchdog.stacks_file.parent}/rank-<rank>.txt and exits (training.hang_timeout_s)")
     with trainer.watchdog:   # from here to the end, a hang ends the process (training.hang_timeout_s)
         return trainer.run()
 
