@@ -16,19 +16,20 @@ RUNTIME = [
     "matplotlib",
 ]
 
-PACKAGED_DIRS = {"msds.ds_configs": "ds_configs", "msds.recipes": "recipes"}
+PACKAGED_DIRS = {"msds.ds_configs": "ds_configs", "msds.recipes": "recipes", "msds.results": "benchmarks/results"}
 
 setup(
     name="msds",
     version="0.1.0",
     description="Multi-level (V-cycle) BERT/GPT pretraining integrated with DeepSpeed and megatron-core",
     python_requires=">=3.11,<3.12",
-    # The top-level ds_configs/ and recipes/ are package data of msds (msds/resources.py reads them):
-    # mapped to msds.ds_configs and msds.recipes, they are inside the wheel of `pip install .` and,
+    # The top-level ds_configs/, recipes/ and benchmarks/results/ are package data of msds
+    # (msds/resources.py reads them): mapped to msds.ds_configs, msds.recipes and msds.results, they are inside the wheel of `pip install .` and,
     # with `pip install -e .`, found in the checkout.
     packages=find_packages(include=["msds", "msds.*", "kernels", "kernels.*"]) + list(PACKAGED_DIRS),
     package_dir=PACKAGED_DIRS,
-    package_data={"msds.ds_configs": ["*.json"], "msds.recipes": ["*.yaml", "*/*.yaml"]},
+    package_data={"msds.ds_configs": ["*.json"], "msds.recipes": ["*.yaml", "*/*.yaml"],
+                  "msds.results": ["*.json"]},
     install_requires=RUNTIME,
     extras_require={
         "kernels": ["triton==3.9.0"],

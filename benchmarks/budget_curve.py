@@ -30,7 +30,6 @@ from pathlib import Path
 
 import yaml
 
-EMBEDDINGS = ("embeddings.word.weight", "embeddings.position.weight", "embeddings.token_type.weight")
 # Only for benches run one run at a time on an idle machine (--wallclock).
 WALLCLOCK = {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst",
              "digits": 1, "suffix": "%", "worst": "min"}
@@ -61,12 +60,16 @@ def _quality(results: dict, name: str) -> str:
     return ("equal" if record["equal_quality"] else "worse on " + ", ".join(record["worse_than_reference"])) + where
 
 
-def non_embedding_parameters(config: dict) -> int:
+def _model(config: dict):
     from msds.config import run_config_from_dict
-    from msds.model.roles import expected_shapes
 
-    model = run_config_from_dict(config).model
-    return sum(math.prod(shape) for name, shape in expected_shapes(model).items() if name not in EMBEDDINGS)
+    return run_config_from_dict(config).model
+
+
+def non_embedding_parameters(config: dict) -> int:
+    from msds.plan.regime import non_embedding_parameters as count
+
+    return count(_model(config))
 
 
 def _schedule(optimizer: dict) -> str:
@@ -241,6 +244,15 @@ def plot(tables: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _shape(bench_dir: Path):
+    """The full-size model and the tokens per step of a bench's reference."""
+    results = json.loads((bench_dir / "results.json").read_text())
+    config = yaml.safe_load((bench_dir / f"seed{next(iter(results['per_seed']))}" / results["reference"]
+                             / "config.yaml").read_text())
+    t = config["training"]
+    return _model(config), t["micro_batch_size"] * t["grad_accum"] * config["data"]["seq_len"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=["gpt", "bert"], help="the architecture of the bench directories")
@@ -276,13 +288,17 @@ def main() -> None:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    table = {"title": f"Issue 58's budget curve, {args.arch.upper()} (2 x 64, 1,024 tokens per step): the V-cycle "
-                      f"against the best of a schedule x learning-rate sweep at each budget",
+    model, tokens = _shape(args.bench_dirs[0])
+    table = {"title": f"The budget curve, {args.arch.upper()} ({model.num_layers} x {model.hidden_size}, {tokens:,} "
+                      f"tokens per step): the V-cycle against the best of a schedule x learning-rate sweep at each "
+                      f"budget",
              "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, " + (
                                     "one run at a time, nothing else running" if args.wallclock else
                                     "shared with other work (wall-clock savings are noisy)"),
                          "versions": f"msds {commit}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
-                         "command": args.command, "date": args.date},
+                         "command": args.command, "date": args.date,
+                         # read by msds plan (msds/plan/regime.py) to place a run among the measured budgets
+                         "model": {"arch": model.arch, "layers": model.num_layers, "hidden": model.hidden_size}},
              "columns": [c for c in COLUMNS if args.wallclock or c is not WALLCLOCK],
              "rows": [row for d in args.bench_dirs for row in rows(d, args.only)],
              "source": ", ".join(str(d / "results.json") for d in args.bench_dirs)}

@@ -1,9 +1,11 @@
-"""The files msds ships next to its code: the DeepSpeed JSON templates and the recipes.
+"""The files msds ships next to its code: the DeepSpeed JSON templates, the recipes and the
+measured results.
 
 In the repository they are the top-level directories `ds_configs/` and `recipes/` (recipes/bench/:
 one bench per question of BENCHMARKS.md; recipes/paper/: the paper-scale runs; recipes/test/: the
-test suite's; demo.yaml at the top); setup.py installs
-them as the packages `msds.ds_configs` and `msds.recipes` (package data), so they are found through
+test suite's; demo.yaml at the top) and `benchmarks/results/` (the JSON tables of BENCHMARKS.md,
+which `msds plan` reads to place a run among the measured budgets); setup.py installs
+them as the packages `msds.ds_configs`, `msds.recipes` and `msds.results` (package data), so they are found through
 `importlib.resources` the same way in an editable install (`pip install -e .`, which maps those
 packages back onto the checkout's directories) and in a wheel (`pip install .`, which copies them
 into site-packages/msds/). Nothing else in msds locates them.
@@ -15,6 +17,7 @@ from pathlib import Path
 
 DS_CONFIGS_PACKAGE = "msds.ds_configs"
 RECIPES_PACKAGE = "msds.recipes"
+RESULTS_PACKAGE = "msds.results"
 RECIPE_SUFFIX = ".yaml"
 
 
@@ -35,6 +38,11 @@ def ds_template(stage: int) -> Path:
 
 def ds_template_names() -> list[str]:
     return sorted(p.name for p in ds_configs_dir().iterdir() if p.suffix == ".json")
+
+
+def results_dir() -> Path:
+    """The committed benchmark tables (benchmarks/results/*.json)."""
+    return _directory(RESULTS_PACKAGE)
 
 
 def recipes_dir() -> Path:

@@ -146,12 +146,16 @@ def warning(check: dict) -> str:
 
 
 def markdown(check: dict) -> str:
-    """The sweep's verdict as a few lines of results.md."""
-    lines = [warning(check) or ("The reference is an interior optimum of the sweep: "
-                                + ("; ".join(f"{dim} {d['reference']:g} beats {d['lower']['member']} and "
-                                             f"{d['higher']['member']}" for dim, d in check["dimensions"].items())
-                                   or "no numeric dimension swept") + "."),
-             "", "Best member per schedule: " + ", ".join(
-                 f"{label} {b['member']} ({b['mean_final_val_loss']:.4f})" for label, b in check["best_per_schedule"].items())
-             + "."]
+    """The sweep's verdict as a few lines of results.md. A reference chosen without sweeping a number
+    (one learning rate, one warmup) is called untuned, never an interior optimum."""
+    if check["interior"] is None:
+        verdict = ("The reference is untuned: the sweep varied neither its learning rate nor its warmup, so it is "
+                   "the recipe's own setting, and a saving against it may be a saving against a poor baseline.")
+    else:
+        verdict = warning(check) or ("The reference is an interior optimum of the sweep: " + "; ".join(
+            f"{dim} {d['reference']:g} beats {d['lower']['member']} and {d['higher']['member']}"
+            for dim, d in check["dimensions"].items()) + ".")
+    lines = [verdict, "", "Best member per schedule: " + ", ".join(
+        f"{label} {b['member']} ({b['mean_final_val_loss']:.4f})" for label, b in check["best_per_schedule"].items())
+        + "."]
     return "\n".join(lines) + "\n"

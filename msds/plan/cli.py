@@ -7,7 +7,9 @@ estimate of memory per rank (weights, gradients, optimizer state at the chosen Z
 msds/plan/memory.py for what is and is not counted), the learning-rate curve (its value at a
 handful of steps of each phase: ends, quarters, each side of a warmup's end and a decay's start),
 then the totals and the FLOPs ratio to the same
-run without multi-level training. Any config `msds train` would refuse, including a layout that
+run without multi-level training, and the run's regime: its tokens per non-embedding parameter and,
+for a V-cycle, the nearest budget msds has measured and what saved there (msds/plan/regime.py),
+with a warning when the run lies where no saving was measured. Any config `msds train` would refuse, including a layout that
 does not fit the world size, ends with one error line and exit status 2. What depends on this
 machine (prepared data, the accelerator's precisions) is checked too and reported as a note, since
 the plan is often made for another machine. A bench config (`base` + `variants`, msds bench) gets
@@ -23,6 +25,7 @@ from pathlib import Path
 from msds.config import ConfigError, load_run_config, load_yaml
 from msds.errors import MsdsError
 from msds.plan import memory
+from msds.plan.regime import regime
 from msds.plan.build import RunPlan, build_plan, check_environment, run_long_schedule
 
 
@@ -93,7 +96,9 @@ def summary(plan: RunPlan) -> dict:
                 "min_tokens": plan.random_ltd.min_value, "max_tokens": plan.random_ltd.max_value,
                 "require_steps": plan.random_ltd.require_steps, "layer_token_lr": plan.random_ltd.layer_token_lr,
                 "routed_layers": {str(k): list(plan.routed_layers(k)) for k in range(1, len(plan.levels) + 1)}},
-            "phases": phases, "total_flops": total, "baseline_flops": baseline, "flops_ratio": total / baseline}
+            "phases": phases, "total_flops": total, "baseline_flops": baseline, "flops_ratio": total / baseline,
+            "regime": regime(plan.model(1), round(plan.baseline_steps * total / baseline), plan.tokens_per_step,
+                             plan.multilevel)}
 
 
 def table(plan: RunPlan, facts: dict) -> str:
@@ -122,6 +127,7 @@ def table(plan: RunPlan, facts: dict) -> str:
         clock = ", learning rate on the LayerToken clock" if r.layer_token_lr else ""
         lines.append(f"random-LTD: routed layers keep {r.min_value} -> {r.max_value} tokens over {r.require_steps} "
                      f"steps{clock}; routed layers {routed}")
+    lines += facts["regime"]["lines"]
     lines.append("memory: model state only (activations, DeepSpeed buffers and the CUDA context come on top); "
                  "host GiB: larger levels kept for the way up")
     return "\n".join(lines)
