@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from msds.plan.regime import CONTROL
+
 # Only for benches run one run at a time on an idle machine (--wallclock).
 WALLCLOCK = {"key": "wallclock_saving", "label": "wall-clock saved (mean / worst)", "format": "mean_worst",
              "digits": 1, "suffix": "%", "worst": "min"}
@@ -92,8 +94,17 @@ def _percent(values: list) -> list | None:
     return None if any(v is None for v in values) else [round(100 * v, 2) for v in values]
 
 
+def _best_control(results: dict) -> str | None:
+    """The `small-alone*` variant with the lowest mean final validation loss (the tuned control)."""
+    controls = [n for n in results["variants"] if n.startswith(CONTROL)]
+    return min(controls, key=lambda n: results["variants"][n]["final_val_loss"]["mean"], default=None)
+
+
 def rows(bench_dir: Path, only: list[str] | None = None) -> list[dict]:
+    """One row per variant outside the baseline sweep (or in `only`); of several `small-alone*`
+    variants (the control at several rates) only the best."""
     results = json.loads((bench_dir / "results.json").read_text())
+    control = _best_control(results)
     seeds = list(results["per_seed"])
     seed_dir = bench_dir / f"seed{seeds[0]}"
     reference = results["reference"]
@@ -103,7 +114,9 @@ def rows(bench_dir: Path, only: list[str] | None = None) -> list[dict]:
     tokens = steps * config["training"]["micro_batch_size"] * config["training"]["grad_accum"] * config["data"]["seq_len"]
     out = []
     for name, variant in results["variants"].items():
-        if name in results["baseline_sweep"] or (only and name not in only):
+        if name.startswith(CONTROL) and name != control:
+            continue
+        if name in results["baseline_sweep"] or (only and name not in only and not name.startswith(CONTROL)):
             continue
         k = results.get("multiplier", {}).get("variants", {}).get(name)
         finals = variant["final_val_loss"]["per_seed"]
@@ -212,7 +225,9 @@ def plot(tables: list[dict], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for table in tables:
-        arch = table["title"].split(",")[1].split("(")[0].strip()
+        model = table["setting"].get("model")
+        arch = table["title"].split(",")[1].split("(")[0].strip() + (
+            f" {model['layers']}x{model['hidden']}" if model else "")
         for variant in dict.fromkeys(r["variant"] for r in table["rows"]):
             rows = [r for r in table["rows"] if r["variant"] == variant]
             x = [r["tokens_per_param"] for r in rows]
@@ -253,6 +268,94 @@ def _shape(bench_dir: Path):
     return _model(config), t["micro_batch_size"] * t["grad_accum"] * config["data"]["seq_len"]
 
 
+CROSSOVER_COLUMNS = [
+    {"key": "tokens_per_param", "label": "tokens per non-embedding parameter (full model)", "digits": 1},
+    {"key": "steps", "label": "full-model steps", "digits": 0},
+    {"key": "epochs", "label": "epochs of the corpus: full / half-depth", "format": "list", "digits": 2},
+    {"key": "full", "label": "full model: best peak rate, final loss (mean), interior?"},
+    {"key": "small", "label": "half-depth model alone, same FLOPs: best peak rate, final loss (mean), interior?"},
+    {"key": "gap", "label": "full minus half-depth, per seed", "format": "list", "digits": 3},
+    {"key": "better", "label": "the better use of the FLOPs"},
+]
+
+
+def _rate_loss(rates: dict[str, float], means: dict[str, float], best: str) -> str:
+    """'peak rate, loss, interior?' of the best of members with the given rates: interior when a
+    lower and a higher rate were both run and ended worse."""
+    lower = [means[n] for n in rates if rates[n] < rates[best]]
+    higher = [means[n] for n in rates if rates[n] > rates[best]]
+    inside = bool(lower) and bool(higher) and min(lower + higher) > means[best]
+    return f"{rates[best]:g}, {means[best]:.4f}, " + ("yes" if inside else "NO (edge of " +
+                                                      ", ".join(f"{r:g}" for r in sorted(rates.values())) + ")")
+
+
+def crossover_row(bench_dir: Path, train_tokens: int) -> dict:
+    """The crossover at one budget: the full model's reference (the best of its rate sweep) against
+    the best of the `small-alone*` variants (the half-depth model trained alone on the same FLOPs),
+    each with its own rate sweep, per seed."""
+    results = json.loads((bench_dir / "results.json").read_text())
+    seeds = list(results["per_seed"])
+
+    def config(name: str) -> dict:
+        return yaml.safe_load((bench_dir / f"seed{seeds[0]}" / name / "config.yaml").read_text())
+
+    def per_seed(name: str) -> list[float]:
+        return results["variants"][name]["final_val_loss"]["per_seed"]
+
+    full = list(results["baseline_sweep"])
+    small = [n for n in results["variants"] if n.startswith(CONTROL)]
+    means = {n: sum(per_seed(n)) / len(seeds) for n in full + small}
+    best_small = min(small, key=means.get)
+    reference = results["reference"]
+    cfg = config(reference)
+    t = cfg["training"]
+    tokens_per_step = t["micro_batch_size"] * t["grad_accum"] * cfg["data"]["seq_len"]
+    gap = [round(f - s, 4) for f, s in zip(per_seed(reference), per_seed(best_small))]
+    return {"tokens_per_param": round(t["steps"] * tokens_per_step / non_embedding_parameters(cfg), 2),
+            "steps": t["steps"],
+            "epochs": [round(config(n)["training"]["steps"] * tokens_per_step / train_tokens, 2)
+                       for n in (reference, best_small)],
+            "full": _rate_loss({n: config(n)["optimizer"]["lr"] for n in full}, means, reference),
+            "small": _rate_loss({n: config(n)["optimizer"]["lr"] for n in small}, means, best_small),
+            "gap": gap, "better": "full model" if all(g < 0 for g in gap) else
+            "half-depth model" if all(g > 0 for g in gap) else "mixed over seeds",
+            "seeds": seeds}
+
+
+def _gaps(table: dict) -> tuple[str, list[tuple[float, float]]]:
+    """(label, [(tokens per parameter, mean final loss of the full model minus its smaller model's
+    trained alone)]) of a crossover table, or of a budget-curve table's small-alone rows."""
+    model = table["setting"]["model"]
+    label = f"{model['arch'].upper()} {model['layers']} x {model['hidden']}"
+    if "gap" in table["rows"][0]:
+        return label, [(r["tokens_per_param"], sum(r["gap"]) / len(r["gap"])) for r in table["rows"]]
+    return label + " (1 layer alone)", [(r["tokens_per_param"], -sum(r["loss_gap"]) / len(r["loss_gap"]))
+                                        for r in table["rows"] if r["variant"] == CONTROL]
+
+
+def crossover_plot(tables: list[dict], path: Path) -> None:
+    """The full model's final loss minus its half-depth model's trained alone on the same FLOPs,
+    against tokens per parameter, one line per shape: above zero the smaller model is the better
+    use of the FLOPs; the crossover is where a line falls below zero."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for table in tables:
+        label, points = _gaps(table)
+        ax.plot([t for t, _ in points], [g for _, g in points], marker="o", label=label)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per non-embedding parameter (full model)")
+    ax.set_ylabel("full minus half-depth final loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=["gpt", "bert"], help="the architecture of the bench directories")
@@ -269,10 +372,18 @@ def main() -> None:
     parser.add_argument("--trend", action="store_true", help="instead: fit k against log budget over the results "
                                                   "tables (JSON) given in place of bench directories into --out, a "
                                                   "results table")
+    parser.add_argument("--crossover", type=Path, metavar="DATA",
+                        help="instead: the crossover table (the full model's reference against the best small-alone* "
+                             "variant per budget) of the bench directories, trained on the prepared corpus DATA; with "
+                             "--plot, the crossover plot of crossover and budget-curve tables")
     parser.add_argument("bench_dirs", nargs="*", type=Path)
     args = parser.parse_args()
     if args.plot:
-        plot([json.loads(p.read_text()) for p in args.bench_dirs], args.out)
+        tables = [json.loads(p.read_text()) for p in args.bench_dirs]
+        if args.crossover:
+            crossover_plot(tables, args.out)
+        else:
+            plot(tables, args.out)
         return
     if args.trend:
         tables = [json.loads(p.read_text()) for p in args.bench_dirs]
@@ -289,6 +400,20 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     model, tokens = _shape(args.bench_dirs[0])
+    if args.crossover:
+        manifest = json.loads((args.crossover / "manifest.json").read_text())
+        train_tokens = manifest["splits"]["train"]["tokens"]
+        args.out.write_text(json.dumps({
+            "title": f"The crossover, {args.arch.upper()} ({model.num_layers} x {model.hidden_size}, {tokens:,} tokens "
+                     f"per step): the full model against its half-depth model trained alone on the same FLOPs, "
+                     f"each the best of its own learning-rate sweep (warmup-stable-decay to zero)",
+            "setting": {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, shared with other work",
+                        "versions": f"msds {commit}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+                        "command": args.command, "date": args.date,
+                        "model": {"arch": model.arch, "layers": model.num_layers, "hidden": model.hidden_size}},
+            "columns": CROSSOVER_COLUMNS, "rows": [crossover_row(d, train_tokens) for d in args.bench_dirs],
+            "source": ", ".join(str(d / "results.json") for d in args.bench_dirs)}, indent=1) + "\n")
+        return
     table = {"title": f"The budget curve, {args.arch.upper()} ({model.num_layers} x {model.hidden_size}, {tokens:,} "
                       f"tokens per step): the V-cycle against the best of a schedule x learning-rate sweep at each "
                       f"budget",

@@ -100,7 +100,9 @@ def _control_as_well(p: Point) -> bool:
 
 def _point_line(p: Point) -> str:
     where = f"{p.arch.upper()} {p.layers} x {p.hidden} at {p.tokens_per_param:.3g} tokens per parameter ({p.source})"
-    if p.best is None:
+    if p.tried == 0:
+        verdict = "no V-cycle schedule was measured there"
+    elif p.best is None:
         verdict = f"none of the {p.tried} V-cycle schedules measured there reached the reference in every seed"
     else:
         verdict = (f"the best V-cycle schedule, {p.best['variant']}, saved {_saving(p.best):.1f}% / "
