@@ -15,10 +15,12 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from msds.config import ConfigError, ModelConfig, from_dict, to_dict
@@ -99,21 +101,53 @@ def is_model_checkpoint(directory: str | Path) -> bool:
 def load_model(src_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict | None]:
     """Read and verify an msds model checkpoint: (config, tensors, level record or None)."""
     src = Path(src_dir)
-    if not is_model_checkpoint(src):
-        raise MsdsError(f"{src}: not an msds model checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    with open(src / CONFIG_FILE) as f:
-        try:
-            cfg = from_dict(ModelConfig, yaml.safe_load(f), "model").validate()
-        except ConfigError as exc:
-            raise MsdsError(f"{src / CONFIG_FILE}: {exc}") from exc
+    cfg = read_model_config(src)
     try:
         tensors = load_file(str(src / WEIGHTS_FILE))
     except Exception as exc:  # safetensors reports truncation and corruption with many types
-        raise MsdsError(f"{src / WEIGHTS_FILE}: cannot be read ({exc}); the file is truncated or corrupt") from exc
+        raise _unreadable(src, exc) from exc
     check_tensors(cfg, tensors, str(src / WEIGHTS_FILE))
     level_path = src / LEVEL_FILE
     level = json.loads(level_path.read_text()) if level_path.is_file() else None
     return cfg, tensors, level
+
+
+def read_model_config(src: Path) -> ModelConfig:
+    """The ModelConfig of the msds model checkpoint `src`."""
+    if not is_model_checkpoint(src):
+        raise MsdsError(f"{src}: not an msds model checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    with open(src / CONFIG_FILE) as f:
+        try:
+            return from_dict(ModelConfig, yaml.safe_load(f), "model").validate()
+        except ConfigError as exc:
+            raise MsdsError(f"{src / CONFIG_FILE}: {exc}") from exc
+
+
+def _unreadable(src: Path, exc: Exception) -> MsdsError:
+    return MsdsError(f"{src / WEIGHTS_FILE}: cannot be read ({exc}); the file is truncated or corrupt")
+
+
+def model_shapes(src_dir: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """(config, the shape of every tensor) of an msds model checkpoint, verified as `load_model`
+    verifies it, from the safetensors header alone: no weight is read."""
+    src = Path(src_dir)
+    cfg = read_model_config(src)
+    try:
+        with safe_open(str(src / WEIGHTS_FILE), framework="pt") as opened:
+            shapes = {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
+    except Exception as exc:  # as in load_model
+        raise _unreadable(src, exc) from exc
+    check_tensors(cfg, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()},
+                  str(src / WEIGHTS_FILE))
+    return cfg, shapes
+
+
+def read_model_tensors(src_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the msds model checkpoint `src_dir`, for `names` only, read one at a time."""
+    src = Path(src_dir)
+    with safe_open(str(src / WEIGHTS_FILE), framework="pt") as opened:
+        for name in names:
+            yield name, opened.get_tensor(name)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -211,12 +211,12 @@ def resume(plan: RunPlan, phase: Phase, tag_dir: Path, step: int):
     directory = tag_dir / "msds" / LAYOUT_FREE
     state = json.loads((directory / STATE).read_text())
     live, saved = _read_stage_files(directory, state["layout"]["pipeline"], plan, phase.level)
-    engine = build_engine(plan, phase, _local(live["weights"], plan).items())
+    engine = build_engine(plan, phase, local_shards(live["weights"], plan).items())
     held = {name for name, _ in named_parameters(engine.module)}
     if held != set(live["weights"]):
         raise RuntimeError(f"this pipeline stage holds {sorted(held ^ set(live['weights']))} other than "
                            f"msds.train.relayout._on_stage says: the two must follow the same partition")
-    set_moments(engine, lambda key: _local(live["moments"][key], plan).items(), state["optimizer_step"])
+    set_moments(engine, lambda key: local_shards(live["moments"][key], plan).items(), state["optimizer_step"])
     _restore_schedule(engine, state)
     levels = [_saved_level(entry, plan) for entry in saved]
     reseed(plan.config.training.seed, step)
@@ -228,7 +228,7 @@ def _read_stage_files(directory: Path, stages: int, plan: RunPlan, level: int) -
     saved level's. The stage files are read one at a time, so at most one of them is in memory
     besides what this stage keeps."""
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    wanted = _stage_names(plan, level, stage)
+    wanted = stage_names(plan, level, stage)
     live, saved = _empty(True), None
     for index in range(stages):
         content = safe_load(directory / f"stage{index}.pt")
@@ -237,7 +237,7 @@ def _read_stage_files(directory: Path, stages: int, plan: RunPlan, level: int) -
             saved = [{"level": entry["level"], "val_loss": entry["val_loss"], **_empty(entry["moments"] is not None)}
                      for entry in content["saved"]]
         for entry, found in zip(saved, content["saved"]):
-            _merge(entry, found, _stage_names(plan, entry["level"], stage))
+            _merge(entry, found, stage_names(plan, entry["level"], stage))
         del content
     missing = sorted(wanted - set(live["weights"]))
     if missing:
@@ -261,7 +261,7 @@ def _pick(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch
     return {name: t for name, t in tensors.items() if name in wanted}
 
 
-def _stage_names(plan: RunPlan, level: int, stage: int) -> set[str]:
+def stage_names(plan: RunPlan, level: int, stage: int) -> set[str]:
     cfg = plan.model(level)
     return {name for name in expected_shapes(cfg) if _on_stage(name, cfg.num_layers, stage, plan.layout.pipeline)}
 
@@ -277,7 +277,7 @@ def _on_stage(name: str, num_layers: int, stage: int, stages: int) -> bool:
     return stage == (0 if name.startswith("embeddings.") else stages - 1)
 
 
-def _local(tensors: dict[str, torch.Tensor], plan: RunPlan) -> dict[str, torch.Tensor]:
+def local_shards(tensors: dict[str, torch.Tensor], plan: RunPlan) -> dict[str, torch.Tensor]:
     """This rank's tensor-parallel slices of whole tensors, the vocabulary padded with zero rows to
     this plan's size (the padding rows of a run are zero: no gradient, no decay, no moments)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -307,9 +307,9 @@ def _saved_level(entry: dict, plan: RunPlan) -> SavedLevel:
     def partitions(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: dp_partition(t).cpu() for name, t in tensors.items()}
 
-    weights = _local(entry["weights"], plan)
+    weights = local_shards(entry["weights"], plan)
     moments = None if entry["moments"] is None else \
-        {key: partitions(_local(entry["moments"][key], plan)) for key in MOMENTS}
+        {key: partitions(local_shards(entry["moments"][key], plan)) for key in MOMENTS}
     return SavedLevel(level=entry["level"], shapes={name: tuple(t.shape) for name, t in weights.items()},
                       weights=partitions(weights), moments=moments, val_loss=entry["val_loss"])
 
