@@ -161,3 +161,26 @@ def test_continued_pretraining_from_minilm_runs_below_a_random_initialisation(be
     scratch = _train(BERT, tmp_path / "random", *common)
     assert pretrained["val"][3] < scratch["val"][3] - 0.3
     assert pretrained["loss"][2] < scratch["loss"][2] and pretrained["loss"][3] < scratch["loss"][3]
+
+
+def test_every_hugging_face_file_layout_plans_from_its_headers(sources, tmp_path):
+    """The other layouts of the exported GPT (safetensors in shards with an index, as transformers
+    writes them; pytorch_model.bin, as transformers 4 wrote it: torch.save of the state dict) give
+    the plan the same tensors as model.safetensors; no weight is read for it."""
+    import shutil
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from msds.model import pretrained
+
+    model = GPT2LMHeadModel.from_pretrained(sources["hf"])
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").is_file()
+    (tmp_path / "bin").mkdir()
+    shutil.copy(sources["hf"] / "config.json", tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    reference = pretrained.inspect(sources["hf"])
+    for layout in ("bin", "shards"):
+        source = pretrained.inspect(tmp_path / layout)
+        assert (source.cfg, source.shapes, source.unused) == (reference.cfg, reference.shapes, reference.unused)
