@@ -133,13 +133,18 @@ def model_shapes(src_dir: str | Path) -> tuple[ModelConfig, dict[str, tuple[int,
     src = Path(src_dir)
     cfg = read_model_config(src)
     try:
-        with safe_open(str(src / WEIGHTS_FILE), framework="pt") as opened:
-            shapes = {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
+        shapes = header_shapes(src / WEIGHTS_FILE)
     except Exception as exc:  # as in load_model
         raise _unreadable(src, exc) from exc
     check_tensors(cfg, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()},
                   str(src / WEIGHTS_FILE))
     return cfg, shapes
+
+
+def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the safetensors file `path`, from its header: no weight is read."""
+    with safe_open(str(path), framework="pt") as opened:
+        return {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
 
 
 def read_model_tensors(src_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from msds.model.files import atomic_directory, check_tensors, load_model, save_model, without_vocab_padding
+from msds.model.files import (atomic_directory, check_tensors, header_shapes, load_model, save_model,
+                              without_vocab_padding)
 from msds.config import ConfigError, ModelConfig, model_config
 from msds.errors import MsdsError
 
@@ -240,32 +240,27 @@ def gpt_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 # --------------------------------------------------------------------------------------------
 
 def _read_hf_tensors(src: Path, meta: bool) -> dict[str, torch.Tensor]:
-    """The directory's tensors; with `meta`, their names, shapes and dtypes only (meta tensors: no
-    data is read past a safetensors header, and a pytorch_model.bin is only mapped)."""
-    if (src / "model.safetensors").is_file():
-        files = [src / "model.safetensors"]
-    elif (src / "model.safetensors.index.json").is_file():
-        index = json.loads((src / "model.safetensors.index.json").read_text())
-        files = [src / f for f in sorted(set(index["weight_map"].values()))]
-    elif (src / "pytorch_model.bin").is_file():
+    """The directory's tensors; with `meta`, meta tensors of their shapes (no data is read past a
+    safetensors header, and a pytorch_model.bin is only mapped)."""
+    files = _safetensors_files(src)
+    if files and meta:
+        return {k: torch.empty(shape, device="meta") for f in files for k, shape in header_shapes(f).items()}
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    if (src / "pytorch_model.bin").is_file():
         tensors = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=meta)
         return {k: v.to("meta") for k, v in tensors.items()} if meta else tensors
-    else:
-        raise MsdsError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
-    if not meta:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as opened:
-            for name in opened.keys():
-                piece = opened.get_slice(name)
-                out[name] = torch.empty(piece.get_shape(), dtype=_DTYPES[piece.get_dtype()], device="meta")
-    return out
+    raise MsdsError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+def _safetensors_files(src: Path) -> list[Path]:
+    """model.safetensors, or the shards its index names; none when the directory has neither."""
+    if (src / "model.safetensors").is_file():
+        return [src / "model.safetensors"]
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        return [src / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
 
 
 def convert_hf(src_dir: str | Path, *, meta: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:

@@ -30,7 +30,6 @@ from msds.multilevel.operators import (AUTHORS_KEYS, LevelMap, check_alpha, coal
                                        interpolate, level_from_scheme)
 
 
-
 def _shape(cfg: ModelConfig) -> dict:
     return {field: getattr(cfg, field) for field in SHAPE_FIELDS}
 
