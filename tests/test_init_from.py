@@ -31,13 +31,17 @@ def _train(recipe: Path, run_dir: Path, *overrides: str) -> dict:
             "final": summary.final_val_loss, "transitions": summary.transitions}
 
 
+# The 4-layer source's vocabulary: 1025 entries pad to 1152 rows at TP=1 and to 1280 at TP=2.
+VOCAB = "model.vocab_size=1025"
+
+
 @pytest.fixture(scope="module")
 def sources(train_corpus, tmp_path_factory):
     """Two GPTs trained by msds for 20 steps: 4 layers, exported to Hugging Face (`msds export-hf`),
     and 3 layers, kept as the msds model directory the run wrote."""
     work = tmp_path_factory.mktemp("init-from")
     data = f"data.path={train_corpus}"
-    four = _train(GPT, work / "gpt4", data, "training.steps=20")
+    four = _train(GPT, work / "gpt4", data, "training.steps=20", VOCAB)
     assert msds_main(["export-hf", str(work / "gpt4" / "model"), str(work / "gpt4-hf")]) == 0
     three = _train(GPT, work / "gpt3", data, "training.steps=20", "model.num_layers=3")
     return {"work": work, "data": data, "gpt4": four, "hf": work / "gpt4-hf", "gpt3": three,
@@ -47,7 +51,7 @@ def sources(train_corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def from_hf(sources):
     """A 2-step run started from the exported 4-layer GPT, on one process."""
-    overrides = [sources["data"], "training.steps=2", f"model.init_from={sources['hf']}"]
+    overrides = [sources["data"], "training.steps=2", VOCAB, f"model.init_from={sources['hf']}"]
     return overrides, _train(GPT, sources["work"] / "from-hf", *overrides)
 
 
@@ -64,14 +68,17 @@ def test_a_run_from_an_exported_gpt_starts_at_its_final_loss(sources, from_hf, c
 
 
 def test_tensor_and_pipeline_parallel_and_zero3_ranks_load_their_shards(sources, from_hf, launch):
-    """TP=2 and PP=2 start at TP=1's step-0 loss and train the same two steps (within 1e-5); ZeRO 3
-    over two data-parallel ranks (another global batch) starts at the same loss."""
+    """TP=2 (from the msds directory the source run wrote: each rank reads its slices, the
+    vocabulary padded) and PP=2 start at TP=1's step-0 loss and train the same two steps (within
+    1e-5); ZeRO 3 over two data-parallel ranks (another global batch) starts at the same loss."""
     overrides, reference = from_hf
     work = sources["work"] / "dist"
     work.mkdir()
-    (work / "overrides.json").write_text(json.dumps([*BASELINE, *overrides]))
+    runs = {"tp2": ["parallel.tensor=2", f"model.init_from={sources['work'] / 'gpt4' / 'model'}"],
+            "pp2": ["parallel.pipeline=2"], "zero3-dp2": ["training.zero_stage=3"]}
+    (work / "runs.json").write_text(json.dumps({name: [*BASELINE, *overrides, *more] for name, more in runs.items()}))
     results = launch("init_from", 2, work)
-    for name in ("tp2", "pp2", "zero3-dp2"):
+    for name in runs:
         assert results[name]["val_losses"]["0"] == pytest.approx(reference["val"][0], abs=1e-5), name
     for name in ("tp2", "pp2"):
         losses = results[name]["losses"]
@@ -118,7 +125,7 @@ def _refusal(capsys, *argv: str) -> str:
       "choose model and multilevel.levels whose level-2 model has num_layers=4"]),
 ], ids=["shape", "layers", "arch", "activation", "grow-only"])
 def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(sources, capsys, overrides, expected):
-    argv = ["--config", str(GPT), *BASELINE, "training.steps=2", f"model.init_from={sources['hf']}", *overrides]
+    argv = ["--config", str(GPT), *BASELINE, "training.steps=2", VOCAB, f"model.init_from={sources['hf']}", *overrides]
     err = _refusal(capsys, "plan", *argv)
     assert err.startswith("msds plan: error: model.init_from: ")
     assert all(piece in err for piece in expected), err

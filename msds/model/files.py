@@ -15,8 +15,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -147,12 +148,15 @@ def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
 
 
-def read_model_tensors(src_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the msds model checkpoint `src_dir`, for `names` only, read one at a time."""
+def read_model_tensors(src_dir: str | Path, names: Iterable[str],
+                       pick: Callable[[str, Any, tuple[int, ...]], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, pick(name, tensor, shape)) for `names` of the msds model checkpoint `src_dir`, one at a
+    time; `tensor` is a safetensors slice, indexed like a tensor: only what `pick` indexes is read."""
     src = Path(src_dir)
     with safe_open(str(src / WEIGHTS_FILE), framework="pt") as opened:
         for name in names:
-            yield name, opened.get_tensor(name)
+            piece = opened.get_slice(name)
+            yield name, pick(name, piece, tuple(piece.get_shape()))
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -2,15 +2,16 @@
 BERT / GPT-2 directory converted as `msds import-hf` converts it (msds/model/hf.py).
 
 `inspect` reads what the run plan checks (config, tensor names and shapes) without reading a
-weight; `read` yields the tensors a rank asks for. An msds directory is read one tensor at a time,
-only those asked for (safetensors); a Hugging Face directory is converted whole first (its q, k and
-v are fused, GPT-2's Conv1D weights transposed), then the asked-for tensors are handed out.
+weight; `read` yields what a rank asks for. Of an msds directory only that is read, one tensor at a
+time (safetensors slices); a Hugging Face directory is converted whole first (its q, k and v are
+fused, GPT-2's Conv1D weights transposed), then the asked-for tensors are handed out.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,11 +55,15 @@ def inspect(path: str | Path) -> Source:
     return Source(path, HUGGING_FACE, cfg, {name: tuple(t.shape) for name, t in tensors.items()}, tuple(unused))
 
 
-def read(source: Source, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, fp32 tensor) for each of `names`, in their order."""
+def read(source: Source, names: Iterable[str],
+         pick: Callable[[str, Any, tuple[int, ...]], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, pick(name, tensor, shape) as fp32) for each of `names`, in their order: from an msds
+    directory `tensor` is a safetensors slice (only what `pick` indexes is read), from a Hugging Face
+    one the converted tensor."""
     if source.format == MSDS:
-        yield from ((name, t.float()) for name, t in read_model_tensors(source.path, names))
+        yield from ((name, t.float()) for name, t in read_model_tensors(source.path, names, pick))
         return
     _, tensors, _ = convert_hf(source.path)
     for name in names:
-        yield name, tensors.pop(name)
+        whole = tensors.pop(name)
+        yield name, pick(name, whole, tuple(whole.shape)).float()

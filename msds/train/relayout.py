@@ -278,17 +278,26 @@ def _on_stage(name: str, num_layers: int, stage: int, stages: int) -> bool:
 
 
 def local_shards(tensors: dict[str, torch.Tensor], plan: RunPlan) -> dict[str, torch.Tensor]:
-    """This rank's tensor-parallel slices of whole tensors, the vocabulary padded with zero rows to
-    this plan's size (the padding rows of a run are zero: no gradient, no decay, no moments)."""
+    """This rank's tensor-parallel slices of whole tensors (`local_shard`)."""
+    return {name: local_shard(name, t, tuple(t.shape), plan) for name, t in tensors.items()}
+
+
+def local_shard(name: str, whole, shape: tuple[int, ...], plan: RunPlan) -> torch.Tensor:
+    """This rank's tensor-parallel slice of parameter `name`, out of `whole`: its whole tensor (TP=1,
+    no vocabulary padding) of `shape`, or anything indexed like one (a safetensors slice, which then
+    reads only this rank's slice). The vocabulary is padded with zero rows to this plan's size (the
+    padding rows of a run are zero: no gradient, no decay, no moments)."""
+    dim = tensor_parallel_dim(name)
+    if dim is None:
+        return whole[:]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    out = {}
-    for name, t in tensors.items():
-        if name in VOCABULARY_ROWS:
-            t = torch.cat([t, t.new_zeros(plan.padded_vocab_size - t.shape[0], *t.shape[1:])])
-        dim = tensor_parallel_dim(name)
-        out[name] = t if dim is None else t.chunk(tp, dim=dim)[rank].clone()
-    return out
+    chunk = (plan.padded_vocab_size if name in VOCABULARY_ROWS else shape[dim]) // tp
+    start, stop = min(rank * chunk, shape[dim]), min((rank + 1) * chunk, shape[dim])
+    piece = whole[(slice(None),) * dim + (slice(start, stop),)].clone()
+    if stop - start == chunk:
+        return piece
+    return torch.cat([piece, piece.new_zeros(chunk - (stop - start), *piece.shape[1:])])   # vocabulary rows
 
 
 def _restore_schedule(engine, state: dict) -> None:

@@ -170,16 +170,11 @@ def faults(corpus, work):
     return {}
 
 
-# Runs from a pretrained model (tests/test_init_from.py): WORK/overrides.json starts them from a GPT
-# the test trained and exported.
-INIT_FROM_LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
-                     "zero3-dp2": ["training.zero_stage=3"]}
-
-
 def init_from(corpus, work):
-    """The run the test made on one process, on each two-process layout of INIT_FROM_LAYOUTS."""
-    overrides = json.loads((work / "overrides.json").read_text())
-    return {name: run(name, "gpt", corpus, work, *overrides, *layout) for name, layout in INIT_FROM_LAYOUTS.items()}
+    """tests/test_init_from.py's runs from a pretrained model: WORK/runs.json maps each run's name
+    to its overrides of recipes/test/test-vcycle-gpt.yaml."""
+    runs = json.loads((work / "runs.json").read_text())
+    return {name: run(name, "gpt", corpus, work, *overrides) for name, overrides in runs.items()}
 
 
 def main(suite, corpus, work, results_path):
