@@ -220,7 +220,8 @@ class ModelConfig:
     converted as `msds import-hf` converts it. They load into the run's first level (level 1, or
     the coarsest level of a grow-only run, `multilevel.start_level`), whose shape, arch, activation
     and norm_eps must be the checkpoint's (`msds plan` refuses a mismatch, naming the tensors);
-    each rank loads only its pipeline stage's tensors and keeps its tensor-parallel slices. The
+    each rank reads only its pipeline stage's tensors (of an msds directory only its tensor-parallel
+    slices of them; a Hugging Face one is converted whole first) and keeps its slices. The
     optimizer, learning-rate schedule and sampler start at step 0. Tensors the checkpoint lacks (the
     MLM head of a `BertModel`, the next-sentence head) keep their initialisation from
     training.seed, tensors the model lacks (a pooler) are ignored; `msds plan` and the start-up
