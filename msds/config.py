@@ -214,6 +214,20 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weights."""
     nsp_head: bool = False
     """BERT only: add the pooler and next-sentence classifier."""
+    init_from: str = ""
+    """Start the run from these weights instead of random ones: an msds model directory (`msds
+    import-hf`, `msds map`, a run's `<run_dir>/model`) or a Hugging Face BERT / GPT-2 directory,
+    converted as `msds import-hf` converts it. They load into the run's first level (level 1, or
+    the coarsest level of a grow-only run, `multilevel.start_level`), whose shape, arch, activation
+    and norm_eps must be the checkpoint's (`msds plan` refuses a mismatch, naming the tensors);
+    each rank reads only its pipeline stage's tensors (of an msds directory only its tensor-parallel
+    slices of them; a Hugging Face one is converted whole first) and keeps its slices. The
+    optimizer, learning-rate schedule and sampler start at step 0. Tensors the checkpoint lacks (the
+    MLM head of a `BertModel`, the next-sentence head) keep their initialisation from
+    training.seed, tensors the model lacks (a pooler) are ignored; `msds plan` and the start-up
+    line list both. A run directory holding a training checkpoint resumes it instead
+    (checkpoint.resume). Empty = random initialisation. docs/checkpoints.md, "Start from a
+    pretrained model"."""
 
     def __post_init__(self):
         if self.head_dim == 0 and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
@@ -245,6 +259,11 @@ class ModelConfig:
     def attention_size(self) -> int:
         """Width of the concatenated heads (num_heads * head_dim)."""
         return self.num_heads * self.head_dim
+
+
+# The fields that give a model's tensors their names and shapes.
+SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "ffn_size",
+                "max_positions", "type_vocab_size", "nsp_head")
 
 
 # Named sizes. The paper's models, and small ones for CPU work.
@@ -472,10 +491,10 @@ class MultilevelConfig:
     start_level: int = 1
     """1: V-cycles that start from the full-size model. K > 1, the coarsest level (len(levels) + 1):
     a grow-only run (docs/method.md §9): a fresh model of level K (initialised from training.seed, as
-    any fresh model) trains first, and the run only goes up, phases K, K-1, .., 1. Nothing was saved,
-    so de-coalescing is not interpolated (alpha is unused): with `depth_layout: strided` a depth
-    transition stacks the whole small model (G_stack), with `adjacent` it repeats each layer in place.
-    Needs cycles = 1."""
+    any fresh model, or loaded from model.init_from) trains first, and the run only goes up, phases
+    K, K-1, .., 1. Nothing was saved, so de-coalescing is not interpolated (alpha is unused): with
+    `depth_layout: strided` a depth transition stacks the whole small model (G_stack), with
+    `adjacent` it repeats each layer in place. Needs cycles = 1."""
     alpha: float = 0.75
     """Interpolation on the way up: large = (1 - alpha) * saved + alpha * de-coalesced. 0.75 is the
     value of the V-cycles that saved the most so far (docs/method.md §7); the paper used 0.25-0.5

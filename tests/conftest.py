@@ -26,19 +26,30 @@ def one_process_parallel_state():
     yield
 
 
-@pytest.fixture(scope="session")
-def train_corpus():
-    """The real default corpus with a 1024-entry BPE (GPT and BERT specials), prepared once and
-    cached across sessions; `msds data prepare` does nothing when it is already up to date."""
+def _prepared(tokenizer: str):
+    """The real default corpus tokenized by `tokenizer`, prepared once and cached across sessions;
+    `msds data prepare` does nothing when it is already up to date."""
     import subprocess
     import sys
     from pathlib import Path
 
     cache = Path(os.environ.get("MSDS_TEST_CACHE", Path.home() / ".cache" / "msds" / "test-data"))
-    out = cache / "default-bpe-1024"
-    subprocess.run([sys.executable, "-m", "msds.cli", "data", "prepare", "--tokenizer", "bpe-1024",
+    out = cache / f"default-{tokenizer}"
+    subprocess.run([sys.executable, "-m", "msds.cli", "data", "prepare", "--tokenizer", tokenizer,
                     "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
+
+
+@pytest.fixture(scope="session")
+def train_corpus():
+    """The real default corpus with a 1024-entry BPE (GPT and BERT specials)."""
+    return _prepared("bpe-1024")
+
+
+@pytest.fixture(scope="session")
+def bert_corpus():
+    """The real default corpus with the real BERT vocabulary (all-MiniLM-L6-v2's, 30522 entries)."""
+    return _prepared("bert")
 
 
 def _launch(suite: str, processes: int, corpus, work):

@@ -15,10 +15,13 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from msds.config import ConfigError, ModelConfig, from_dict, to_dict
@@ -99,21 +102,61 @@ def is_model_checkpoint(directory: str | Path) -> bool:
 def load_model(src_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict | None]:
     """Read and verify an msds model checkpoint: (config, tensors, level record or None)."""
     src = Path(src_dir)
-    if not is_model_checkpoint(src):
-        raise MsdsError(f"{src}: not an msds model checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    with open(src / CONFIG_FILE) as f:
-        try:
-            cfg = from_dict(ModelConfig, yaml.safe_load(f), "model").validate()
-        except ConfigError as exc:
-            raise MsdsError(f"{src / CONFIG_FILE}: {exc}") from exc
+    cfg = read_model_config(src)
     try:
         tensors = load_file(str(src / WEIGHTS_FILE))
     except Exception as exc:  # safetensors reports truncation and corruption with many types
-        raise MsdsError(f"{src / WEIGHTS_FILE}: cannot be read ({exc}); the file is truncated or corrupt") from exc
+        raise _unreadable(src, exc) from exc
     check_tensors(cfg, tensors, str(src / WEIGHTS_FILE))
     level_path = src / LEVEL_FILE
     level = json.loads(level_path.read_text()) if level_path.is_file() else None
     return cfg, tensors, level
+
+
+def read_model_config(src: Path) -> ModelConfig:
+    """The ModelConfig of the msds model checkpoint `src`."""
+    if not is_model_checkpoint(src):
+        raise MsdsError(f"{src}: not an msds model checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    with open(src / CONFIG_FILE) as f:
+        try:
+            return from_dict(ModelConfig, yaml.safe_load(f), "model").validate()
+        except ConfigError as exc:
+            raise MsdsError(f"{src / CONFIG_FILE}: {exc}") from exc
+
+
+def _unreadable(src: Path, exc: Exception) -> MsdsError:
+    return MsdsError(f"{src / WEIGHTS_FILE}: cannot be read ({exc}); the file is truncated or corrupt")
+
+
+def model_shapes(src_dir: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """(config, the shape of every tensor) of an msds model checkpoint, verified as `load_model`
+    verifies it, from the safetensors header alone: no weight is read."""
+    src = Path(src_dir)
+    cfg = read_model_config(src)
+    try:
+        shapes = header_shapes(src / WEIGHTS_FILE)
+    except Exception as exc:  # as in load_model
+        raise _unreadable(src, exc) from exc
+    check_tensors(cfg, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()},
+                  str(src / WEIGHTS_FILE))
+    return cfg, shapes
+
+
+def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the safetensors file `path`, from its header: no weight is read."""
+    with safe_open(str(path), framework="pt") as opened:
+        return {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
+
+
+def read_model_tensors(src_dir: str | Path, names: Iterable[str],
+                       pick: Callable[[str, Any, tuple[int, ...]], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, pick(name, tensor, shape)) for `names` of the msds model checkpoint `src_dir`, one at a
+    time; `tensor` is a safetensors slice, indexed like a tensor: only what `pick` indexes is read."""
+    src = Path(src_dir)
+    with safe_open(str(src / WEIGHTS_FILE), framework="pt") as opened:
+        for name in names:
+            piece = opened.get_slice(name)
+            yield name, pick(name, piece, tuple(piece.get_shape()))
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

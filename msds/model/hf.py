@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from msds.model.files import atomic_directory, check_tensors, load_model, save_model, without_vocab_padding
+from msds.model.files import (atomic_directory, check_tensors, header_shapes, load_model, save_model,
+                              without_vocab_padding)
 from msds.config import ConfigError, ModelConfig, model_config
 from msds.errors import MsdsError
 
@@ -238,16 +239,44 @@ def gpt_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 # Directories
 # --------------------------------------------------------------------------------------------
 
-def _read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
+def _read_hf_tensors(src: Path, meta: bool) -> dict[str, torch.Tensor]:
+    """The directory's tensors; with `meta`, meta tensors of their shapes (no data is read past a
+    safetensors header, and a pytorch_model.bin is only mapped)."""
+    files = _safetensors_files(src)
+    if files and meta:
+        return {k: torch.empty(shape, device="meta") for f in files for k, shape in header_shapes(f).items()}
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    if (src / "pytorch_model.bin").is_file():
+        tensors = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=meta)
+        return {k: v.to("meta") for k, v in tensors.items()} if meta else tensors
+    raise MsdsError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _safetensors_files(src: Path) -> list[Path]:
+    """model.safetensors, or the shards its index names; none when the directory has neither."""
     if (src / "model.safetensors").is_file():
-        return load_file(str(src / "model.safetensors"))
+        return [src / "model.safetensors"]
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for f in files for k, v in load_file(str(src / f)).items()}
-    if (src / "pytorch_model.bin").is_file():
-        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise MsdsError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+        return [src / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
+
+
+def convert_hf(src_dir: str | Path, *, meta: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:
+    """(msds config, the msds tensors the directory holds, the HF names msds does not use), as
+    `msds import-hf` converts them; a BERT without an MLM head (e.g. `BertModel`) lacks head.*
+    tensors here. With `meta`, meta tensors: the names and shapes, without reading the weights."""
+    src = Path(src_dir)
+    if not (src / "config.json").is_file():
+        raise MsdsError(f"{src}: not a Hugging Face model directory (no config.json)")
+    cfg = config_from_hf(json.loads((src / "config.json").read_text()), str(src))
+    hf = {k: v.float() for k, v in _read_hf_tensors(src, meta).items()}
+    try:
+        tensors, unused = (bert_from_hf if cfg.arch == "bert" else gpt_from_hf)(hf, cfg)
+    except KeyError as exc:
+        raise MsdsError(f"{src}: tensor {exc.args[0]} is missing from the checkpoint") from exc
+    return cfg, tensors, unused
 
 
 def read_hf(src_dir: str | Path, *, report=None,
@@ -256,14 +285,7 @@ def read_hf(src_dir: str | Path, *, report=None,
     `BertModel`) gets a freshly initialised one; `report` (a callable) hears about it, and
     `initialised` (a list), when given, receives the Hugging Face names of the tensors it lacked."""
     src = Path(src_dir)
-    if not (src / "config.json").is_file():
-        raise MsdsError(f"{src}: not a Hugging Face model directory (no config.json)")
-    cfg = config_from_hf(json.loads((src / "config.json").read_text()), str(src))
-    hf = {k: v.float() for k, v in _read_hf_tensors(src).items()}
-    try:
-        tensors, unused = (bert_from_hf if cfg.arch == "bert" else gpt_from_hf)(hf, cfg)
-    except KeyError as exc:
-        raise MsdsError(f"{src}: tensor {exc.args[0]} is missing from the checkpoint") from exc
+    cfg, tensors, unused = convert_hf(src)
     if cfg.arch == "bert" and "head.transform.weight" not in tensors:
         fresh = _fresh_bert_head(cfg)
         tensors.update(fresh)

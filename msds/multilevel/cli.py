@@ -22,14 +22,12 @@ import json
 from pathlib import Path
 
 from msds.model.files import LEVEL_FILE, atomic_directory, load_model, write_model_files
-from msds.config import ModelConfig
+from msds.config import SHAPE_FIELDS, ModelConfig
 from msds.errors import MsdsError
 from msds.model.hf import read_hf, write_hf
+from msds.model.pretrained import HUGGING_FACE, MSDS, directory_format
 from msds.multilevel.operators import (AUTHORS_KEYS, LevelMap, check_alpha, coalesce, decoalesce,
                                        interpolate, level_from_scheme)
-
-SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "ffn_size",
-                "max_positions", "type_vocab_size", "nsp_head")
 
 
 def _shape(cfg: ModelConfig) -> dict:
@@ -39,21 +37,17 @@ def _shape(cfg: ModelConfig) -> dict:
 def _read(src: str) -> tuple[str, ModelConfig, dict, dict | None]:
     """(format, config, tensors, level record or None) of an HF or msds directory."""
     path = Path(src)
-    is_msds, is_hf = (path / "config.yaml").is_file(), (path / "config.json").is_file()
-    if is_msds == is_hf:
-        raise MsdsError(f"{src}: expected a Hugging Face directory (config.json) or an msds checkpoint "
-                        f"(config.yaml), found {'both' if is_msds else 'neither'}")
-    if is_msds:
+    if directory_format(path) == MSDS:
         cfg, tensors, level = load_model(path)
-        return "msds", cfg, tensors, level
+        return MSDS, cfg, tensors, level
     cfg, tensors = read_hf(path, report=print)           # e.g. a fresh MLM head for a BertModel
     level_path = path / LEVEL_FILE
-    return "hf", cfg, tensors, json.loads(level_path.read_text()) if level_path.is_file() else None
+    return HUGGING_FACE, cfg, tensors, json.loads(level_path.read_text()) if level_path.is_file() else None
 
 
 def _write(out: str, fmt: str, cfg: ModelConfig, tensors: dict, level: dict | None) -> None:
     with atomic_directory(out) as tmp:
-        if fmt == "msds":
+        if fmt == MSDS:
             write_model_files(tmp, cfg, tensors, level=level)
             return
         write_hf(tmp, cfg, tensors, overwrite=True)   # replaces the (empty) temporary directory

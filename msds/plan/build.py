@@ -3,10 +3,11 @@
 `build_plan(cfg, world_size)` turns a parsed RunConfig (msds.config: field types only) and the
 process count into an immutable `RunPlan`: the parallel layout, the model of every level and the
 level maps between them, the phases, each phase's learning-rate curve, the random-LTD schedule,
-FLOPs per step and the DeepSpeed config of each phase. Trainer, engine and transitions only read
-it; `msds plan` prints it. Errors are `ConfigError`s that start with the dotted field path and say
-how to fix it. `check_environment` adds what depends on this machine (the prepared data, the
-accelerator's precisions): `msds train` runs both, `msds plan` reports the second as notes.
+FLOPs per step, the DeepSpeed config of each phase and what `model.init_from` loads
+(msds/plan/pretrained.py). Trainer, engine and transitions only read it; `msds plan` prints it.
+Errors are `ConfigError`s that start with the dotted field path and say how to fix it.
+`check_environment` adds what depends on this machine (the prepared data, the accelerator's
+precisions): `msds train` runs both, `msds plan` reports the second as notes.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from msds.config import ConfigError, ModelConfig, RunConfig
 from msds.model.roles import expected_shapes
 from msds.multilevel.operators import LevelMap, check_alpha, plan_level
 from msds.plan import random_ltd as random_ltd_config
+from msds.plan.pretrained import InitFrom, plan_init_from
 from msds.plan.random_ltd import RandomLTD
 from msds.plan.schedule import Decay, LayerTokenCurve, Phase, PhaseCurve, RunCurve, flops_per_sample
 from msds.resources import ds_configs_dir, ds_template, ds_template_names
@@ -56,6 +58,7 @@ class RunPlan:
     random_ltd: Optional[RandomLTD]
     ds_template: str                         # the DeepSpeed JSON, random-LTD section removed
     baseline_steps: int                      # the run without multi-level training: budget_steps or as many steps
+    init_from: Optional[InitFrom] = None     # model.init_from: what the first phase's level loads
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -162,9 +165,11 @@ def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
     cfg = copy.deepcopy(cfg)
     _check_fields(cfg)
     _check_parallel_options(cfg)
-    maps = _level_maps(cfg)          # every level fits the parallel sizes, before the world size is asked
+    # A level is a shape; where the run's first weights come from is the run's (model.init_from).
+    model = dataclasses.replace(cfg.model, init_from="")
+    maps = _level_maps(cfg, model)   # every level fits the parallel sizes, before the world size is asked
     layout = _layout(cfg, world_size)
-    levels = (cfg.model,) + tuple(m.small for m in maps)
+    levels = (model,) + tuple(m.small for m in maps)
     template = _read_ds_template(cfg)
     efficiency = template.pop("data_efficiency", None) or {}
     if efficiency.get("enabled") and (efficiency.get("data_sampling") or {}).get("enabled"):
@@ -176,9 +181,12 @@ def build_plan(cfg: RunConfig, world_size: int = 1) -> RunPlan:
     baseline_steps = cfg.multilevel.budget_steps or phases[-1].end_step
     _name_derived_values(cfg, phases)
     ds = _fill_ds_config(template, cfg, layout)
+    first = phases[0].level
+    init_from = None if not cfg.model.init_from else \
+        plan_init_from(cfg.model.init_from, levels[first - 1], first, grow_only=first > 1)
     plan = RunPlan(config=cfg, layout=layout, levels=levels, level_maps=tuple(maps), phases=tuple(phases),
                    lr_curves=(), lr_milestones=(), random_ltd=ltd, ds_template=json.dumps(ds),
-                   baseline_steps=baseline_steps)
+                   baseline_steps=baseline_steps, init_from=init_from)
     curves, milestones = _lr_curves(plan)
     return dataclasses.replace(plan, lr_curves=curves, lr_milestones=milestones)
 
@@ -330,18 +338,18 @@ def _check_divisible(model: ModelConfig, tp: int, pp: int, where: str) -> None:
                           f"{where} model equally; choose a pipeline size that divides the layers at every level")
 
 
-def _level_maps(cfg: RunConfig) -> list[LevelMap]:
+def _level_maps(cfg: RunConfig, model: ModelConfig) -> list[LevelMap]:
     """maps[k] turns level k+1 into level k+2. With tensor parallelism, heads and FFN are grouped
     inside each rank's shard, so that a transition needs no communication along the tensor-parallel
     axis; a grouping that fits every shard also leaves every smaller level divisible by the
     tensor-parallel size. With pipeline parallelism, layers are grouped inside each stage, and every
-    level must keep at least one layer per stage."""
+    level must keep at least one layer per stage. `model` is level 1."""
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    _check_divisible(cfg.model, tp, pp, "level-1")
+    _check_divisible(model, tp, pp, "level-1")
     if not cfg.multilevel.enabled:
         return []
     shards = cfg.multilevel.shards or tp
-    maps, large = [], cfg.model
+    maps, large = [], model
     if not cfg.multilevel.levels:
         raise ConfigError("multilevel.levels: at least one coarser level is needed")
     for i, level in enumerate(cfg.multilevel.levels):

@@ -25,8 +25,9 @@ from pathlib import Path
 from msds.config import ConfigError, load_run_config, load_yaml
 from msds.errors import MsdsError
 from msds.plan import memory
-from msds.plan.regime import regime
 from msds.plan.build import RunPlan, build_plan, check_environment, run_long_schedule
+from msds.plan.pretrained import describe
+from msds.plan.regime import regime
 
 
 def _shape(plan: RunPlan, level: int) -> str:
@@ -96,9 +97,18 @@ def summary(plan: RunPlan) -> dict:
                 "min_tokens": plan.random_ltd.min_value, "max_tokens": plan.random_ltd.max_value,
                 "require_steps": plan.random_ltd.require_steps, "layer_token_lr": plan.random_ltd.layer_token_lr,
                 "routed_layers": {str(k): list(plan.routed_layers(k)) for k in range(1, len(plan.levels) + 1)}},
-            "phases": phases, "total_flops": total, "baseline_flops": baseline, "flops_ratio": total / baseline,
+            "init_from": _init_from(plan), "phases": phases, "total_flops": total, "baseline_flops": baseline,
+            "flops_ratio": total / baseline,
             "regime": regime(plan.model(1), round(plan.baseline_steps * total / baseline), plan.tokens_per_step,
                              plan.multilevel)}
+
+
+def _init_from(plan: RunPlan) -> dict | None:
+    init = plan.init_from
+    if init is None:
+        return None
+    return {"path": str(init.source.path), "format": init.source.format, "level": init.level,
+            "loaded": list(init.loaded), "initialised": list(init.initialised), "ignored": list(init.ignored)}
 
 
 def table(plan: RunPlan, facts: dict) -> str:
@@ -119,8 +129,12 @@ def table(plan: RunPlan, facts: dict) -> str:
     lines.append(f"total: {facts['total_steps']} steps, {facts['total_flops']:.3e} FLOPs; the same steps without "
                  f"multi-level training: {facts['baseline_flops']:.3e} FLOPs (ratio {facts['flops_ratio']:.3f})")
     if plan.grow_only:
-        lines.append(f"grow-only: starts with a fresh level-{plan.phases[0].level} model and only goes up; nothing is "
+        start = "the pretrained" if plan.init_from else "a fresh"
+        lines.append(f"grow-only: starts with {start} level-{plan.phases[0].level} model and only goes up; nothing is "
                      f"saved, so de-coalescing is not interpolated")
+    if plan.init_from:
+        lines.append(f"init_from: {describe(plan.init_from)}; the optimizer, schedule and sampler start at step 0 "
+                     f"(a training checkpoint in checkpoint.dir is resumed instead)")
     if plan.random_ltd:
         r = plan.random_ltd
         routed = "; ".join(f"level {k}: {list(plan.routed_layers(k))}" for k in range(1, len(plan.levels) + 1))

@@ -67,12 +67,14 @@ def _left_as_is(tensor, *args, **kwargs):
     return tensor
 
 
-def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch.Tensor]] | None):
+def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch.Tensor]] | None,
+                 every_parameter: bool = True):
     """A fresh model of `phase`'s level, wrapped in a fresh DeepSpeed engine with the phase's config
     and learning-rate curve. Its weights: random, or `tensors`, (flat-model name, full tensor) pairs
-    covering this stage's parameters once each, in an order that is the same on every data-parallel
-    rank, consumed one at a time (a transition computes each when asked, so that no rank holds the
-    whole new model). Under ZeRO 3 such a model is built partitioned (deepspeed.zero.Init): each
+    covering this stage's parameters once each (some of them, when not `every_parameter`: the rest
+    keep their random initialisation), in an order that is the same on every data-parallel rank,
+    consumed one at a time (a transition computes each when asked, so that no rank holds the whole
+    new model). Under ZeRO 3 such a model is built partitioned (deepspeed.zero.Init): each
     parameter holds only this rank's partition, filled from its tensor through a short gather."""
     model_cfg = plan.model(phase.level)
     pipelined = plan.layout.pipeline > 1
@@ -82,11 +84,12 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
     # Weights that `tensors` overwrite are not drawn first (weights_not_drawn: same RNG, same result).
     with (deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=DeepSpeedMPU, mem_efficient_linear=False)
           if partitioned else contextlib.nullcontext()), \
-            (weights_not_drawn() if tensors is not None and not partitioned else contextlib.nullcontext()):
+            (weights_not_drawn() if tensors is not None and every_parameter and not partitioned
+             else contextlib.nullcontext()):
         model = (PipelineTransformer if pipelined else Transformer)(model_cfg, padded_vocab_size=plan.padded_vocab_size,
                                                                      routed_layers=plan.routed_layers(phase.level))
     if tensors is not None:
-        _fill(model, tensors, partitioned)
+        _fill(model, tensors, partitioned, every_parameter)
     if plan.config.training.compile:
         # Each block in place (Module.compile): parameter names, hooks and the model's type stay.
         for block in model.layers:
@@ -103,7 +106,8 @@ def build_engine(plan: RunPlan, phase: Phase, tensors: Iterable[tuple[str, torch
     return engine
 
 
-def _fill(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], partitioned: bool) -> None:
+def _fill(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], partitioned: bool,
+          every_parameter: bool) -> None:
     """Copy `tensors` into a model not yet in an engine (DeepSpeed makes its fp32 master copies from
     them). A partitioned parameter is gathered, written on every rank (all hold the same tensor) and
     partitioned again from rank 0's copy: one parameter's full size at a time."""
@@ -115,7 +119,7 @@ def _fill(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], p
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=partitioned):
                 param.copy_(value)
             missing.discard(name)
-    if missing:
+    if missing and every_parameter:
         raise RuntimeError(f"{sorted(missing)[0]}: no tensor given for this parameter of the new model")
 
 

@@ -26,7 +26,9 @@ from msds.data import eval_batches, train_batches
 from msds.errors import MsdsError
 from msds.distributed import data_parallel_group, init_distributed, launched_world_size, seed_generators
 from msds.plan import RunPlan, build_plan, check_environment
+from msds.plan.pretrained import describe
 from msds.train import checkpointing, relayout
+from msds.train.init_from import pretrained_engine
 from msds.train.guards import BAD_STEPS, HangWatchdog, StepGuard
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, train_step)
@@ -152,7 +154,10 @@ class Trainer:
             engine, self.saved = relayout.resume(self.plan, self.phase, self.ckpt_dir / tag, self.state.step)
         self.log.event("resume", {"step": self.state.step, "tag": tag, "same_layout": same_layout},
                        f"resumed from {self.ckpt_dir / tag} at step {self.state.step} (level {self.phase.level})"
-                       + ("" if same_layout else " on another layout (layout-free copy; generators re-seeded)"))
+                       + ("" if same_layout else " on another layout (layout-free copy; generators re-seeded)")
+                       + ("" if self.plan.init_from is None else
+                          f"; model.init_from ({self.plan.init_from.source.path}) is not loaded: the run "
+                          f"continues from its own training checkpoint"))
         return engine
 
     def export(self, engine) -> None:
@@ -210,14 +215,18 @@ class Trainer:
         engine = self.resume()
         if engine is None:
             seed_generators(cfg.training.seed)
-            engine = build_engine(plan, self.phase, None)
+            engine = build_engine(plan, self.phase, None) if plan.init_from is None else \
+                pretrained_engine(plan, self.phase)
             # A start from step 0: what metrics.jsonl holds of an attempt killed before its first
             # checkpoint is abandoned (read_metrics drops the records before this one).
             self.log.event("start", {"step": 0},
                            f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
                            f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "
                            f"{plan.layout.pipeline}, data parallel {plan.layout.data}), ZeRO {cfg.training.zero_stage}, "
-                           f"{cfg.training.precision}")
+                           f"{cfg.training.precision}"
+                           + ("" if plan.init_from is None else f"; model.init_from: {describe(plan.init_from)}"))
+            if plan.init_from is not None:
+                self.log_eval(engine)   # where the loaded weights start: the validation loss at step 0
         batches = self.batches()
         steps_here, exited_early, any_rank_signalled = 0, False, False
         total = plan.total_steps

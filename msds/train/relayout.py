@@ -211,12 +211,12 @@ def resume(plan: RunPlan, phase: Phase, tag_dir: Path, step: int):
     directory = tag_dir / "msds" / LAYOUT_FREE
     state = json.loads((directory / STATE).read_text())
     live, saved = _read_stage_files(directory, state["layout"]["pipeline"], plan, phase.level)
-    engine = build_engine(plan, phase, _local(live["weights"], plan).items())
+    engine = build_engine(plan, phase, local_shards(live["weights"], plan).items())
     held = {name for name, _ in named_parameters(engine.module)}
     if held != set(live["weights"]):
         raise RuntimeError(f"this pipeline stage holds {sorted(held ^ set(live['weights']))} other than "
                            f"msds.train.relayout._on_stage says: the two must follow the same partition")
-    set_moments(engine, lambda key: _local(live["moments"][key], plan).items(), state["optimizer_step"])
+    set_moments(engine, lambda key: local_shards(live["moments"][key], plan).items(), state["optimizer_step"])
     _restore_schedule(engine, state)
     levels = [_saved_level(entry, plan) for entry in saved]
     reseed(plan.config.training.seed, step)
@@ -228,7 +228,7 @@ def _read_stage_files(directory: Path, stages: int, plan: RunPlan, level: int) -
     saved level's. The stage files are read one at a time, so at most one of them is in memory
     besides what this stage keeps."""
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    wanted = _stage_names(plan, level, stage)
+    wanted = stage_names(plan, level, stage)
     live, saved = _empty(True), None
     for index in range(stages):
         content = safe_load(directory / f"stage{index}.pt")
@@ -237,7 +237,7 @@ def _read_stage_files(directory: Path, stages: int, plan: RunPlan, level: int) -
             saved = [{"level": entry["level"], "val_loss": entry["val_loss"], **_empty(entry["moments"] is not None)}
                      for entry in content["saved"]]
         for entry, found in zip(saved, content["saved"]):
-            _merge(entry, found, _stage_names(plan, entry["level"], stage))
+            _merge(entry, found, stage_names(plan, entry["level"], stage))
         del content
     missing = sorted(wanted - set(live["weights"]))
     if missing:
@@ -261,7 +261,7 @@ def _pick(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch
     return {name: t for name, t in tensors.items() if name in wanted}
 
 
-def _stage_names(plan: RunPlan, level: int, stage: int) -> set[str]:
+def stage_names(plan: RunPlan, level: int, stage: int) -> set[str]:
     cfg = plan.model(level)
     return {name for name in expected_shapes(cfg) if _on_stage(name, cfg.num_layers, stage, plan.layout.pipeline)}
 
@@ -277,18 +277,27 @@ def _on_stage(name: str, num_layers: int, stage: int, stages: int) -> bool:
     return stage == (0 if name.startswith("embeddings.") else stages - 1)
 
 
-def _local(tensors: dict[str, torch.Tensor], plan: RunPlan) -> dict[str, torch.Tensor]:
-    """This rank's tensor-parallel slices of whole tensors, the vocabulary padded with zero rows to
-    this plan's size (the padding rows of a run are zero: no gradient, no decay, no moments)."""
+def local_shards(tensors: dict[str, torch.Tensor], plan: RunPlan) -> dict[str, torch.Tensor]:
+    """This rank's tensor-parallel slices of whole tensors (`local_shard`)."""
+    return {name: local_shard(name, t, tuple(t.shape), plan) for name, t in tensors.items()}
+
+
+def local_shard(name: str, whole, shape: tuple[int, ...], plan: RunPlan) -> torch.Tensor:
+    """This rank's tensor-parallel slice of parameter `name`, out of `whole`: its whole tensor (TP=1,
+    no vocabulary padding) of `shape`, or anything indexed like one (a safetensors slice, which then
+    reads only this rank's slice). The vocabulary is padded with zero rows to this plan's size (the
+    padding rows of a run are zero: no gradient, no decay, no moments)."""
+    dim = tensor_parallel_dim(name)
+    if dim is None:
+        return whole[:]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    out = {}
-    for name, t in tensors.items():
-        if name in VOCABULARY_ROWS:
-            t = torch.cat([t, t.new_zeros(plan.padded_vocab_size - t.shape[0], *t.shape[1:])])
-        dim = tensor_parallel_dim(name)
-        out[name] = t if dim is None else t.chunk(tp, dim=dim)[rank].clone()
-    return out
+    chunk = (plan.padded_vocab_size if name in VOCABULARY_ROWS else shape[dim]) // tp
+    start, stop = min(rank * chunk, shape[dim]), min((rank + 1) * chunk, shape[dim])
+    piece = whole[(slice(None),) * dim + (slice(start, stop),)].clone()
+    if stop - start == chunk:
+        return piece
+    return torch.cat([piece, piece.new_zeros(chunk - (stop - start), *piece.shape[1:])])   # vocabulary rows
 
 
 def _restore_schedule(engine, state: dict) -> None:
@@ -307,9 +316,9 @@ def _saved_level(entry: dict, plan: RunPlan) -> SavedLevel:
     def partitions(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: dp_partition(t).cpu() for name, t in tensors.items()}
 
-    weights = _local(entry["weights"], plan)
+    weights = local_shards(entry["weights"], plan)
     moments = None if entry["moments"] is None else \
-        {key: partitions(_local(entry["moments"][key], plan)) for key in MOMENTS}
+        {key: partitions(local_shards(entry["moments"][key], plan)) for key in MOMENTS}
     return SavedLevel(level=entry["level"], shapes={name: tuple(t.shape) for name, t in weights.items()},
                       weights=partitions(weights), moments=moments, val_loss=entry["val_loss"])
 

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 4 tests/dist/train_checks.py four CORPUS_DIR WORK_DIR RESULTS_JSON
     torchrun --nproc_per_node 2 tests/dist/train_checks.py relayout CORPUS_DIR WORK_DIR RESULTS_JSON
     MSDS_FAULT=... torchrun --nproc_per_node 2 tests/dist/train_checks.py faults CORPUS_DIR WORK_DIR -
+    torchrun --nproc_per_node 2 tests/dist/train_checks.py init_from CORPUS_DIR WORK_DIR RESULTS_JSON
 
 Every check of a suite trains in its one process group, so the launch cost is paid once. Rank 0
 writes the run summaries and per-step losses to RESULTS_JSON; tests/test_train.py and
@@ -41,6 +42,7 @@ def run(name, arch, corpus, work, *overrides):
     return {"run_dir": str(work / name), "summary": {"final_val_loss": summary.final_val_loss, "exited_early": summary.exited_early,
                         "state": asdict(summary.state), "transitions": summary.transitions},
             "losses": {r["step"]: r["loss"] for r in read_metrics(work / name, "step")},
+            "val_losses": {r["step"]: r["val_loss"] for r in read_metrics(work / name, "eval")},
             "keep_tokens": {r["step"]: r["keep_tokens"] for r in read_metrics(work / name, "step")}}
 
 
@@ -168,8 +170,16 @@ def faults(corpus, work):
     return {}
 
 
+def init_from(corpus, work):
+    """tests/test_init_from.py's runs from a pretrained model: WORK/runs.json maps each run's name
+    to its overrides of recipes/test/test-vcycle-gpt.yaml."""
+    runs = json.loads((work / "runs.json").read_text())
+    return {name: run(name, "gpt", corpus, work, *overrides) for name, overrides in runs.items()}
+
+
 def main(suite, corpus, work, results_path):
-    results = {"two": two, "four": four, "relayout": relayout, "faults": faults}[suite](Path(corpus), Path(work))
+    results = {"two": two, "four": four, "relayout": relayout, "faults": faults,
+               "init_from": init_from}[suite](Path(corpus), Path(work))
     if dist.get_rank() == 0:
         finite = lambda x: None if x != x or math.isinf(x) else x  # noqa: E731 (NaN/inf are not JSON)
         Path(results_path).write_text(json.dumps(results, indent=1, default=finite))
