@@ -201,3 +201,19 @@ def test_the_budget_curve_names_a_reference_it_did_not_sweep():
     assert budget_curve._interior({"interior": True, "dimensions": {}}) == "yes"
     edge = {"interior": False, "dimensions": {"lr_factor": {"interior": False}, "warmup_steps": {"interior": True}}}
     assert budget_curve._interior(edge) == "NO (lr_factor edge)"
+
+
+def test_the_crossover_table_checks_each_model_s_rate_is_interior():
+    """benchmarks/budget_curve.py --crossover: a model's best rate is interior only when a lower and a
+    higher rate were both run and ended worse; the best of several small-alone rates is the control."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import budget_curve
+
+    rates = {"a": 0.004, "b": 0.008, "c": 0.016}
+    assert budget_curve._rate_loss(rates, {"a": 4.5, "b": 4.4, "c": 4.45}, "b") == "0.008, 4.4000, yes"
+    assert budget_curve._rate_loss(rates, {"a": 4.5, "b": 4.45, "c": 4.4}, "c").endswith(
+        "NO (edge of 0.004, 0.008, 0.016)")
+    results = {"variants": {"small-alone": {"final_val_loss": {"mean": 4.3}},
+                            "small-alone-lr2x": {"final_val_loss": {"mean": 4.2}},
+                            "depth": {"final_val_loss": {"mean": 4.1}}}}
+    assert budget_curve._best_control(results) == "small-alone-lr2x"
