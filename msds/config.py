@@ -395,8 +395,8 @@ class TrainingConfig:
     """A step whose loss (averaged over data-parallel replicas) is NaN or infinite, or a spike (see
     `spike_factor`), is skipped: no update of the weights or Adam's moments, a `bad_step` record in
     metrics.jsonl (msds.train.guards). After this many bad steps in a row the run checkpoints and
-    stops with an error. 0 = no checks: every step is applied. Pipelines detect and count bad steps
-    but cannot skip them (docs/cluster.md, "Faults and what they cost")."""
+    stops with an error. 0 = no checks: every step is applied. Pipelines too (docs/cluster.md,
+    "Faults and what they cost")."""
     spike_factor: float = 0.0
     """A step whose loss exceeds this multiple of the mean loss of the last `spike_window` applied
     steps is a bad step (see `max_bad_steps`); more than 1, or 0 = off."""

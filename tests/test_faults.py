@@ -101,6 +101,24 @@ def test_bad_steps_are_skipped_counted_and_stop_the_run(train_corpus, tmp_path, 
         assert not same(state[applied - 1], state[applied]), f"step {applied} changed nothing"
 
 
+def test_pipeline_skips_bad_steps(two_process_results):
+    """Two pipeline stages (tests/dist/train_checks.py, PIPELINE_BAD_STEPS): NaN losses at steps 3,
+    6 and 7 are skipped before the update that DeepSpeed's pipeline engine makes inside
+    train_batch, counted, and two in a row stop the run; every stage's checkpoint after a skipped
+    step holds the same weights and optimizer state as the one before."""
+    result = two_process_results["gpt-pp2-bad-steps"]
+    run_dir = Path(result["run_dir"])
+    assert result["stopped"] and result["stopped"].startswith("training.max_bad_steps: 2 bad steps in a row up to step 7 ")
+    assert [r["step"] for r in read_metrics(run_dir, "bad_step")] == [3, 6, 7]
+    assert [r["bad_steps"] for r in read_metrics(run_dir, "step")] == [0, 0, 1, 1, 1, 2, 3]
+    state = {step: training_state(run_dir / "checkpoints" / checkpointing.tag_for(step)) for step in range(2, 8)}
+    assert any(name.startswith("layer_") for name in state[2]), sorted(state[2])   # both stages' files
+    for skipped in (3, 6, 7):
+        assert same(state[skipped - 1], state[skipped]), f"step {skipped} changed the training state"
+    for applied in (4, 5):
+        assert not same(state[applied - 1], state[applied]), f"step {applied} changed nothing"
+
+
 def test_resume_after_skipped_steps_is_exact(train_corpus, tmp_path, monkeypatch):
     """The same poisoned run, stopped after step 4 and resumed: the spike at step 5 is judged against
     the losses the checkpoint kept, and every loss and skip is the uninterrupted run's."""

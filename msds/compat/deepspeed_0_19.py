@@ -1,7 +1,8 @@
 """DeepSpeed 0.19.8: the patches msds applies to it and the private attributes msds reads.
 
 - pipelines: the process groups a PipelineModule builds (reused across engines), its grid's rank
-  lists and the range of layer specs this stage holds;
+  lists, the range of layer specs this stage holds, and deciding on the optimizer step that
+  `train_batch` takes inside;
 - ZeRO optimizers: the torch optimizer inside DeepSpeed's wrapper, the flat tensors its state is
   keyed by, re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug), and which
   parameters ZeRO manages;
@@ -81,6 +82,38 @@ def local_layer_indices(module) -> range:
     holds. Replace when DeepSpeed exposes the bounds; tests/test_compat.py::
     test_pipeline_accessors_read_a_real_pipeline_module fails when the attributes move."""
     return range(module._local_start, module._local_stop)
+
+
+@contextlib.contextmanager
+def pipeline_step_decided(engine, apply, skipped):
+    """Within it, a PipelineEngine's optimizer step (which `train_batch` runs after the last
+    backward pass) first asks `apply(loss)` whether to make the update, and runs inside `skipped(engine)`
+    when not. `loss` is this rank's share of the batch's loss: on the last stage the mean over its
+    micro-batches (private `total_loss`, the sum `train_batch` averages afterwards) times the number
+    of stages, elsewhere 0, so that its sum over every rank divided by the world size is the mean
+    over the data-parallel replicas, as for a flat model (msds.train.guards.StepGuard).
+
+    Why: the pipeline engine applies the update inside `train_batch` (its schedule's OptimizerStep,
+    which the private `_INSTRUCTION_MAP` runs as `_exec_optimizer_step`), before the caller sees the
+    loss, so a bad step could not be skipped. tests/test_faults.py::test_pipeline_skips_bad_steps
+    fails when the attributes move."""
+    from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+    step = type(engine)._INSTRUCTION_MAP[OptimizerStep]
+
+    def decided(self, *args, **kwargs):
+        if self.is_last_stage():
+            loss = self.total_loss / self.gradient_accumulation_steps() * self.num_stages
+        else:
+            loss = torch.zeros((), device=self.device)
+        with contextlib.nullcontext() if apply(loss) else skipped(self):
+            return step(self, *args, **kwargs)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, OptimizerStep: decided}
+    try:
+        yield
+    finally:
+        del engine._INSTRUCTION_MAP
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:

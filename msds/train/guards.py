@@ -11,8 +11,8 @@ A skipped step runs DeepSpeed's `engine.step()` with the wrapped torch optimizer
 a no-op: the gradients are cleared as after any step, ZeRO copies its unchanged fp32 master
 partitions back into the model, the learning-rate schedule moves on with the run's steps (the
 V-cycle's phases are counted in steps), and neither the weights nor Adam's moments nor its step
-count change. A pipeline's engine steps inside `train_batch`: there a bad step is detected, counted
-and stops the run after `training.max_bad_steps`, but it has already been applied.
+count change. A pipeline's engine steps inside `train_batch`: there the same decision is made on
+its optimizer step, inside (msds.compat.deepspeed_0_19.pipeline_step_decided).
 """
 from __future__ import annotations
 
