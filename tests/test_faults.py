@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from msds.bench import kills as kill_campaign
 from msds.config import load_run_config
 from msds.errors import MsdsError
 from msds.train import checkpointing, faults
@@ -287,14 +288,21 @@ class Launch:
 def chain(train_corpus, tmp_path_factory) -> tuple[Path, dict[str, Launch]]:
     work = tmp_path_factory.mktemp("faults")
     (work / "overrides.json").write_text(json.dumps(CHAIN))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    first = [*torchrun, str(REPO / "tests" / "dist" / "train_checks.py"), "faults", str(train_corpus), str(work), "-"]
-    same_command = [*torchrun, "-m", "msds.cli", "train", "--config", str(RECIPE), f"data.path={train_corpus}",
-                    f"run_dir={work / 'chain'}", "logging.tensorboard=false", *CHAIN]
+    first = [*TORCHRUN, str(REPO / "tests" / "dist" / "train_checks.py"), "faults", str(train_corpus), str(work), "-"]
     launches = {}
     for name, spec in LINKS.items():
-        launches[name] = Launch(first if not launches else same_command, spec, work / f"{name}.log")
+        launches[name] = Launch(first if not launches else chain_command(train_corpus, work / "chain"), spec,
+                                work / f"{name}.log")
     return work, launches
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def chain_command(corpus, run_dir: Path) -> list[str]:
+    """The chain's `msds train` command (and the kill campaign's), writing to `run_dir`."""
+    return [*TORCHRUN, "-m", "msds.cli", "train", "--config", str(RECIPE), f"data.path={corpus}",
+            f"run_dir={run_dir}", "logging.tensorboard=false", *CHAIN]
 
 
 def assert_killed(launch: Launch, place: str) -> None:
@@ -367,3 +375,37 @@ def test_the_chain_ends_with_the_uninterrupted_losses(chain):
     final = [read_metrics(work / run, "eval")[-1]["val_loss"] for run in ("chain", "reference")]
     assert final[0] == final[1]
     assert [r["step"] for r in read_metrics(work / "chain", "resume")] == [2, 2, 4, 8, 8]
+
+
+# -- a random kill campaign over the chain's V-cycle -------------------------------------------------
+
+# Four kills (two of them in start-up), seeded; see msds/bench/kills.py for how each is drawn.
+CAMPAIGN = {"kills": 4, "startup_kills": 2, "seed": 66}
+
+
+@chain_timeout
+def test_random_kills_end_with_the_uninterrupted_losses(chain, train_corpus, extension_cache):
+    """SIGKILLs of one worker or both at random moments of the chain's 3-level V-cycle (start-up,
+    steps, transitions, checkpoint writes), each launch the same command: the last one ends with
+    the uninterrupted run's per-step losses, exactly. Every other launch has the system's
+    directories first on PATH (another ninja, where the system has one): no start rebuilds the
+    op that the extension cache holds."""
+    work, _ = chain
+    cache = extension_cache(work / "campaign-torch-extensions")
+    library = cache / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built = library.stat().st_mtime_ns
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(cache)}
+    envs = [env, {**env, "PATH": os.pathsep.join(["/usr/bin", env["PATH"]])}]
+    (logs := work / "campaign-logs").mkdir()
+    started = time.monotonic()
+    kills = kill_campaign.campaign(chain_command(train_corpus, work / "campaign"), envs, work / "campaign", 12,
+                                   **CAMPAIGN, logs=logs, launch_timeout_s=300)
+    print(f"kill campaign: {len(kills)} kills in {time.monotonic() - started:.0f} s: "
+          f"{json.dumps(kill_campaign.summary(kills))}")
+    assert len(kills) >= CAMPAIGN["kills"] - 1, kill_campaign.records(kills)   # the last may miss: the run ended
+    assert sum(k.moment == "start-up" for k in kills) >= 1, kill_campaign.records(kills)
+    assert all(k.steps_lost is not None and 0 <= k.steps_lost <= 2 for k in kills), kill_campaign.records(kills)
+    assert losses(work / "campaign") == losses(work / "reference")
+    final = [read_metrics(work / run, "eval")[-1]["val_loss"] for run in ("campaign", "reference")]
+    assert final[0] == final[1]
+    assert library.stat().st_mtime_ns == built, "a start rebuilt DeepSpeed's op"

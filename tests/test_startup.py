@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from msds.bench.kills import Launch
 from msds.train.guards import StartupWatchdog
 from msds.train.metrics import read_metrics
 
@@ -32,20 +33,18 @@ STARTUP_TIMEOUT_S = 30
 LAUNCH_TIMEOUT_S = 240
 
 
-def launch(command: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str, float]:
-    """Run `command` in its own session; (exit status or None when it was killed at `timeout`,
-    output, seconds). A timed-out launch is SIGKILLed with every process it started."""
-    start = time.monotonic()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def launch(command: list[str], env: dict[str, str], run_dir: Path) -> tuple[int | None, str, float]:
+    """Run `command`; (exit status, or None when it still ran after LAUNCH_TIMEOUT_S and was killed
+    with its workers; its output; seconds)."""
+    log = run_dir.with_suffix(".log")
+    run = Launch(command, env, log, run_dir / "metrics.jsonl")
     try:
-        output, _ = proc.communicate(timeout=timeout)
-        status = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        status = run.end(LAUNCH_TIMEOUT_S)
+    except RuntimeError:
         status = None
-    return status, output, time.monotonic() - start
+    finally:
+        run.kill()
+    return status, log.read_text(), time.monotonic() - run.started
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def startup_launches(train_corpus, extension_cache, tmp_path_factory):
     while not lock.exists():
         time.sleep(0.1)
     waited = launch([*command, f"run_dir={work / 'waited'}", f"training.startup_timeout_s={STARTUP_TIMEOUT_S}"],
-                    env, LAUNCH_TIMEOUT_S)
+                    env, work / "waited")
 
     # 2. The holder killed: its lock file stays. A half-written library, which ninja's log does not vouch for.
     holder.send_signal(signal.SIGKILL)
@@ -77,7 +76,7 @@ def startup_launches(train_corpus, extension_cache, tmp_path_factory):
     entries = ninja_log.read_text().splitlines(keepends=True)   # start, end, mtime, output, command hash
     ninja_log.write_text("".join(line for line in entries if line.startswith("#") or line.split("\t")[3] != library.name))
     assert lock.exists()
-    recovered = launch([*command, f"run_dir={work / 'recovered'}"], env, LAUNCH_TIMEOUT_S)
+    recovered = launch([*command, f"run_dir={work / 'recovered'}"], env, work / "recovered")
     return {"work": work, "lock": lock, "holder": holder.pid, "waited": waited, "recovered": recovered,
             "library": library, "original_size": original_size}
 
