@@ -95,8 +95,9 @@ def pipeline_step_decided(engine, apply, skipped):
 
     Why: the pipeline engine applies the update inside `train_batch` (its schedule's OptimizerStep,
     which the private `_INSTRUCTION_MAP` runs as `_exec_optimizer_step`), before the caller sees the
-    loss, so a bad step could not be skipped. tests/test_faults.py::test_pipeline_skips_bad_steps
-    fails when the attributes move."""
+    loss, so a bad step could not be skipped. tests/test_compat.py::
+    test_the_pipeline_engine_runs_its_optimizer_step_from_the_instruction_map fails when the
+    attributes move; tests/test_faults.py::test_pipeline_skips_bad_steps shows the skip."""
     from deepspeed.runtime.pipe.schedule import OptimizerStep
 
     step = type(engine)._INSTRUCTION_MAP[OptimizerStep]
@@ -400,8 +401,9 @@ def use_one_extension_cache() -> None:
     Why: torch.utils.cpp_extension's FileBaton is a bare `lock` file in the op's build directory,
     created at every start (the build step runs, a no-op when built) and removed when it ends; a
     process killed in between leaves it, and every later start waits on it forever (issue 66).
-    tests/test_startup.py::test_a_killed_builds_leftovers_do_not_block_the_next_run plants that
-    leftover; remove this when torch's lock dies with its process."""
+    tests/test_compat.py::test_torchs_build_lock_outlives_its_process fails the day torch's lock
+    dies with its process; tests/test_startup.py::test_a_killed_builds_leftovers_do_not_block_the_next_run
+    plants that leftover under real launches."""
     os.environ.setdefault(EXTENSIONS_DIR, str(Path(sys.prefix) / "torch-extensions"))
     env_bin = Path(sys.prefix) / "bin"
     path = os.environ.get("PATH", "").split(os.pathsep)
