@@ -423,7 +423,7 @@ class TrainingConfig:
     prints one line naming what it waits on (a lock file and its age, the rendezvous address, the
     collectives of the engine build or first step) and exits with status 4, which slurm/train.sh
     does not requeue (docs/cluster.md, "Faults and what they cost"). The default leaves room for
-    a first build of DeepSpeed's ops on a loaded machine (up to about 100 s each). 0 = off."""
+    a first build of DeepSpeed's ops on a loaded machine. 0 = off."""
 
 
 @dataclass

@@ -395,7 +395,7 @@ def use_one_extension_cache() -> None:
     - this environment's bin/ goes first on PATH when it holds a ninja (the `ninja` package's):
       torch runs `ninja` from PATH, and two ninja versions (the environment's and the system's,
       chosen by whichever PATH a launcher or job had) each read the other's build log as stale and
-      rebuild the op, 23-96 s under the cache's lock each time;
+      rebuild the op, under the cache's lock each time (issue 66);
     - OpBuilder.jit_load runs under `_build_lock` and removes a stale lock file first.
 
     Why: torch.utils.cpp_extension's FileBaton is a bare `lock` file in the op's build directory,
