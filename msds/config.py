@@ -414,8 +414,8 @@ class TrainingConfig:
     """A step whose loss (averaged over data-parallel replicas) is NaN or infinite, or a spike (see
     `spike_factor`), is skipped: no update of the weights or Adam's moments, a `bad_step` record in
     metrics.jsonl (msds.train.guards). After this many bad steps in a row the run checkpoints and
-    stops with an error. 0 = no checks: every step is applied. Pipelines detect and count bad steps
-    but cannot skip them (docs/cluster.md, "Faults and what they cost")."""
+    stops with an error. 0 = no checks: every step is applied. Pipelines too (docs/cluster.md,
+    "Faults and what they cost")."""
     spike_factor: float = 0.0
     """A step whose loss exceeds this multiple of the mean loss of the last `spike_window` applied
     steps is a bad step (see `max_bad_steps`); more than 1, or 0 = off."""
@@ -435,6 +435,14 @@ class TrainingConfig:
     and checkpoint writes included), every rank writes the stack of each of its threads to
     `<run_dir>/stacks/rank-<rank>.txt` and exits with status 1, so the job fails instead of hanging
     (docs/cluster.md, "Faults and what they cost"). 0 = off."""
+    startup_timeout_s: float = 900.0
+    """If a rank has not completed its first training step this many seconds after its process
+    started (imports, DeepSpeed's JIT-built ops, the rendezvous, the engine build, a resume and the
+    first step), it writes the stack of each of its threads to `<run_dir>/stacks/rank-<rank>.txt`,
+    prints one line naming what it waits on (a lock file and its age, the rendezvous address, the
+    collectives of the engine build or first step) and exits with status 4, which slurm/train.sh
+    does not requeue (docs/cluster.md, "Faults and what they cost"). The default leaves room for
+    a first build of DeepSpeed's ops on a loaded machine. 0 = off."""
 
 
 @dataclass

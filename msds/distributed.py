@@ -12,7 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from msds.compat import check_versions, megatron_core_0_16
+from msds import startup
+from msds.compat import check_versions, deepspeed_0_19, megatron_core_0_16
 
 
 def default_backend() -> str:
@@ -35,8 +36,10 @@ def launched_world_size() -> int:
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:
     """Initialise torch.distributed (from launcher variables, else one process) and megatron-core's
     parallel state. Idempotent for the same sizes. Refuses deepspeed / megatron-core versions other
-    than msds.compat's pins: the compat patches it applies are written for those."""
+    than msds.compat's pins: the compat patches it applies are written for those. DeepSpeed's
+    JIT-built ops go to this environment's extension cache (msds.compat.deepspeed_0_19)."""
     check_versions()
+    deepspeed_0_19.use_one_extension_cache()
     from megatron.core import parallel_state
 
     megatron_core_0_16.install_cpu_fallbacks()
@@ -46,7 +49,10 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
         if _launched():
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=default_backend(), timeout=timedelta(minutes=30))
+            rendezvous = (f"the rendezvous at {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} "
+                          f"with the other {int(os.environ['WORLD_SIZE']) - 1} rank(s) (deepspeed.init_distributed)")
+            with startup.waiting_on(rendezvous):
+                deepspeed.init_distributed(dist_backend=default_backend(), timeout=timedelta(minutes=30))
         else:
             # One process: an in-memory store, no port to pick. DeepSpeed reads the launcher's
             # variables even then, so give it the one-process values. NCCL on a GPU as when launched:

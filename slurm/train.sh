@@ -14,7 +14,11 @@
 #   5. when the launcher fails because a rank's hang detector fired (training.hang_timeout_s: its
 #      faulthandler stacks, which start with `Timeout (H:MM:SS)!`, are in the run directory's
 #      stacks/rank-<rank>.txt), `scontrol requeue` too: the requeued job resumes from the newest
-#      checkpoint.
+#      checkpoint;
+#   6. when a rank's start-up watchdog fired (training.startup_timeout_s: no first step; its line,
+#      naming what the rank waited on, and its stacks are in stacks/rank-<rank>.txt after a
+#      `# msds start-up watchdog:` header), print those lines and end the job as FAILED with exit
+#      status 4, not requeued: a requeued job would wait on the same lock, peer or collective.
 #      Any other failure ends the job as FAILED (a crash is a bug to read, not to loop on).
 #
 # A node that is lost (set DOWN by slurmctld when its slurmd stops answering, or by an operator
@@ -188,6 +192,17 @@ workers_hung() {
     done < <(find "$RUN_DIR/stacks" -name 'rank-*.txt' -newer "$LAUNCH_MARK")
     return 1
 }
+# This launch's start-up watchdog fired if a stacks file written since the launch has a
+# `# msds start-up watchdog:` header after its last hang watchdog header; prints the line after it.
+workers_never_started() {
+    [ -d "$RUN_DIR/stacks" ] || return 1
+    local file found=1
+    while IFS= read -r file; do
+        awk '/^# msds hang watchdog:/ { line = "" } /^# msds start-up watchdog:/ { getline line }
+             END { if (line == "") exit 1; print line }' "$file" && found=0
+    done < <(find "$RUN_DIR/stacks" -name 'rank-*.txt' -newer "$LAUNCH_MARK")
+    return $found
+}
 requeue() {
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "$MSDS_MAX_REQUEUES" ]; then
         say "$1, but already restarted $SLURM_RESTART_COUNT times (MSDS_MAX_REQUEUES); not requeueing"
@@ -220,6 +235,10 @@ set -e
 
 # --- finished, stopped, or failed? -----------------------------------------------------------
 if [ "$launcher_status" -ne 0 ]; then
+    if workers_never_started; then
+        say "a rank did not reach its first step within training.startup_timeout_s (its line above; stacks in $RUN_DIR/stacks); not requeueing"
+        exit 4
+    fi
     if workers_hung; then
         requeue "a rank hung (no step within training.hang_timeout_s; its stacks are in $RUN_DIR/stacks)"
         exit 0

@@ -113,3 +113,34 @@ def one_process_losses(train_corpus, tmp_path_factory):
         return cache[key]
 
     return losses
+
+
+BUILD_SHM_OP = """
+from msds.compat import deepspeed_0_19
+deepspeed_0_19.use_one_extension_cache()
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+print(deepspeed_0_19.extension_cache())
+"""
+
+
+@pytest.fixture(scope="session")
+def extension_cache():
+    """`extension_cache(path)`: a copy at `path` of this environment's cache of DeepSpeed's JIT-built
+    ops (msds.compat.deepspeed_0_19.use_one_extension_cache), with the CPU communication op that
+    every launched CPU run loads built (here, once, if it is not yet), for a test to plant in."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    built = subprocess.run([sys.executable, "-c", BUILD_SHM_OP], env=env, check=True, capture_output=True,
+                           text=True, timeout=900)
+    source = Path(built.stdout.strip().splitlines()[-1])
+
+    def copy(path: Path) -> Path:
+        shutil.copytree(source, path, ignore=shutil.ignore_patterns("lock", "msds.lock"))
+        return path
+
+    return copy

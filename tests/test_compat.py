@@ -4,6 +4,7 @@ needs the patch: then delete the patch). Also the package's import structure: `k
 nothing from msds, and no module imports itself back through others."""
 import ast
 import contextlib
+import inspect
 import json
 import subprocess
 import sys
@@ -151,6 +152,48 @@ def test_pipeline_accessors_read_a_real_pipeline_module():
     module = _pipeline_module()
     assert ds_compat.pipeline_group_ranks(module) == ([0], [0])
     assert ds_compat.local_layer_indices(module) == range(0, 2)
+
+
+def test_the_pipeline_engine_runs_its_optimizer_step_from_the_instruction_map():
+    """pipeline_step_decided replaces the OptimizerStep entry of the engine's (private)
+    `_INSTRUCTION_MAP`, which `_exec_schedule` reads per instruction; the two-process use is
+    tests/test_faults.py::test_pipeline_skips_bad_steps."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+    assert PipelineEngine._INSTRUCTION_MAP[OptimizerStep] is PipelineEngine._exec_optimizer_step
+    source = inspect.getsource(PipelineEngine._exec_schedule)
+    assert "self._INSTRUCTION_MAP[type(cmd)]" in source, source
+
+
+# --- torch 2.13 / DeepSpeed 0.19.8: JIT-built ops ---------------------------------------------------
+
+def test_torchs_build_lock_outlives_its_process(tmp_path):
+    """torch's FileBaton (the lock of every JIT build) is a bare file: one left by a SIGKILLed
+    process still refuses the next builder, which would wait forever. When this fails the lock dies
+    with its process: delete _remove_if_stale (use_one_extension_cache keeps the cache per
+    environment)."""
+    from torch.utils.file_baton import FileBaton
+
+    lock = tmp_path / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from torch.utils.file_baton import "
+                               "FileBaton; FileBaton(sys.argv[1]).try_acquire(); print(flush=True); time.sleep(60)",
+                               str(lock)], stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    holder.kill()
+    holder.wait()
+    assert not FileBaton(str(lock)).try_acquire()
+    assert ds_compat._holders(lock) == []
+
+
+def test_a_stale_build_lock_is_removed_and_a_held_one_kept(tmp_path, capsys):
+    lock = tmp_path / "lock"
+    with open(lock, "x"):
+        ds_compat._remove_if_stale(lock)
+        assert lock.exists()
+    ds_compat._remove_if_stale(lock)
+    assert not lock.exists()
+    assert f"removing {lock}, left by a killed build" in capsys.readouterr().err
 
 
 # --- DeepSpeed 0.19.8: ZeRO-1 optimizer state ----------------------------------------------------

@@ -9,6 +9,10 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +344,34 @@ def test_second_identical_run_does_nothing_and_a_damaged_output_is_rebuilt(tmp_p
     # Byte-level BPE training is deterministic (WordPiece training in tokenizers 0.23 is not).
     assert (out / "manifest.json").read_text() == manifest_before, "the rebuild is bit-identical"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no staging folder is left behind"
+
+
+def test_a_killed_prepare_does_not_change_the_rerun(tmp_path, data_text_corpus):
+    """`msds data prepare` SIGKILLed (with its worker processes) three times at a seeded moment
+    while it writes (after its staging folder appears, before a clean run's duration is up), then
+    run to the end with the same command: the corpus is a clean run's, byte for byte; what the
+    kills left (their staging folders) does not block or change it."""
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "msds.cli", "data", "prepare", "--tokenizer", "bpe-400", "--text-files",
+                str(data_text_corpus[0] / "*.txt"), "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+
+    started = time.monotonic()
+    subprocess.run(command(tmp_path / "clean"), check=True, capture_output=True)
+    clean_s = time.monotonic() - started
+    rng = random.Random(66)
+    for _ in range(3):
+        started = time.monotonic()
+        proc = subprocess.Popen(command(tmp_path / "out"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        while not any(tmp_path.glob(f".out.tmp-{proc.pid}")) and proc.poll() is None:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, max(0.0, clean_s - (time.monotonic() - started))))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert any(tmp_path.glob(".out.tmp-*")), "no kill landed while the preparation wrote"
+    subprocess.run(command(tmp_path / "out"), check=True, capture_output=True)
+    files = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.iterdir())}  # noqa: E731
+    assert files(tmp_path / "out") == files(tmp_path / "clean")
 
 
 def test_failed_prepare_leaves_no_output(tmp_path):

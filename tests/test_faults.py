@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from msds.bench import kills as kill_campaign
 from msds.config import load_run_config
 from msds.errors import MsdsError
 from msds.train import checkpointing, faults
@@ -98,6 +99,24 @@ def test_bad_steps_are_skipped_counted_and_stop_the_run(train_corpus, tmp_path, 
     for skipped in (3, 5, 7, 8):
         assert same(state[skipped - 1], state[skipped]), f"step {skipped} changed the training state"
     for applied in (4, 6):
+        assert not same(state[applied - 1], state[applied]), f"step {applied} changed nothing"
+
+
+def test_pipeline_skips_bad_steps(two_process_results):
+    """Two pipeline stages (tests/dist/train_checks.py, PIPELINE_BAD_STEPS): NaN losses at steps 3,
+    6 and 7 are skipped before the update that DeepSpeed's pipeline engine makes inside
+    train_batch, counted, and two in a row stop the run; every stage's checkpoint after a skipped
+    step holds the same weights and optimizer state as the one before."""
+    result = two_process_results["gpt-pp2-bad-steps"]
+    run_dir = Path(result["run_dir"])
+    assert result["stopped"] and result["stopped"].startswith("training.max_bad_steps: 2 bad steps in a row up to step 7 ")
+    assert [r["step"] for r in read_metrics(run_dir, "bad_step")] == [3, 6, 7]
+    assert [r["bad_steps"] for r in read_metrics(run_dir, "step")] == [0, 0, 1, 1, 1, 2, 3]
+    state = {step: training_state(run_dir / "checkpoints" / checkpointing.tag_for(step)) for step in range(2, 8)}
+    assert any(name.startswith("layer_") for name in state[2]), sorted(state[2])   # both stages' files
+    for skipped in (3, 6, 7):
+        assert same(state[skipped - 1], state[skipped]), f"step {skipped} changed the training state"
+    for applied in (4, 5):
         assert not same(state[applied - 1], state[applied]), f"step {applied} changed nothing"
 
 
@@ -269,14 +288,21 @@ class Launch:
 def chain(train_corpus, tmp_path_factory) -> tuple[Path, dict[str, Launch]]:
     work = tmp_path_factory.mktemp("faults")
     (work / "overrides.json").write_text(json.dumps(CHAIN))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    first = [*torchrun, str(REPO / "tests" / "dist" / "train_checks.py"), "faults", str(train_corpus), str(work), "-"]
-    same_command = [*torchrun, "-m", "msds.cli", "train", "--config", str(RECIPE), f"data.path={train_corpus}",
-                    f"run_dir={work / 'chain'}", "logging.tensorboard=false", *CHAIN]
+    first = [*TORCHRUN, str(REPO / "tests" / "dist" / "train_checks.py"), "faults", str(train_corpus), str(work), "-"]
     launches = {}
     for name, spec in LINKS.items():
-        launches[name] = Launch(first if not launches else same_command, spec, work / f"{name}.log")
+        launches[name] = Launch(first if not launches else chain_command(train_corpus, work / "chain"), spec,
+                                work / f"{name}.log")
     return work, launches
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def chain_command(corpus, run_dir: Path) -> list[str]:
+    """The chain's `msds train` command (and the kill campaign's), writing to `run_dir`."""
+    return [*TORCHRUN, "-m", "msds.cli", "train", "--config", str(RECIPE), f"data.path={corpus}",
+            f"run_dir={run_dir}", "logging.tensorboard=false", *CHAIN]
 
 
 def assert_killed(launch: Launch, place: str) -> None:
@@ -349,3 +375,37 @@ def test_the_chain_ends_with_the_uninterrupted_losses(chain):
     final = [read_metrics(work / run, "eval")[-1]["val_loss"] for run in ("chain", "reference")]
     assert final[0] == final[1]
     assert [r["step"] for r in read_metrics(work / "chain", "resume")] == [2, 2, 4, 8, 8]
+
+
+# -- a random kill campaign over the chain's V-cycle -------------------------------------------------
+
+# Four kills (two of them in start-up), seeded; see msds/bench/kills.py for how each is drawn.
+CAMPAIGN = {"kills": 4, "startup_kills": 2, "seed": 66}
+
+
+@chain_timeout
+def test_random_kills_end_with_the_uninterrupted_losses(chain, train_corpus, extension_cache):
+    """SIGKILLs of one worker or both at random moments of the chain's 3-level V-cycle (start-up,
+    steps, transitions, checkpoint writes), each launch the same command: the last one ends with
+    the uninterrupted run's per-step losses, exactly. Every other launch has the system's
+    directories first on PATH (another ninja, where the system has one): no start rebuilds the
+    op that the extension cache holds."""
+    work, _ = chain
+    cache = extension_cache(work / "campaign-torch-extensions")
+    library = cache / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built = library.stat().st_mtime_ns
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(cache)}
+    envs = [env, {**env, "PATH": os.pathsep.join(["/usr/bin", env["PATH"]])}]
+    (logs := work / "campaign-logs").mkdir()
+    started = time.monotonic()
+    kills = kill_campaign.campaign(chain_command(train_corpus, work / "campaign"), envs, work / "campaign", 12,
+                                   **CAMPAIGN, logs=logs, launch_timeout_s=300)
+    print(f"kill campaign: {len(kills)} kills in {time.monotonic() - started:.0f} s: "
+          f"{json.dumps(kill_campaign.summary(kills))}")
+    assert len(kills) >= CAMPAIGN["kills"] - 1, kill_campaign.records(kills)   # the last may miss: the run ended
+    assert sum(k.moment == "start-up" for k in kills) >= 1, kill_campaign.records(kills)
+    assert all(k.steps_lost is not None and 0 <= k.steps_lost <= 2 for k in kills), kill_campaign.records(kills)
+    assert losses(work / "campaign") == losses(work / "reference")
+    final = [read_metrics(work / run, "eval")[-1]["val_loss"] for run in ("campaign", "reference")]
+    assert final[0] == final[1]
+    assert library.stat().st_mtime_ns == built, "a start rebuilt DeepSpeed's op"

@@ -153,6 +153,7 @@ def test_partial_checkpoint_is_not_resumed(train_corpus, tmp_path):
     ("training.exit_signal=SIGNOPE", r"^training\.exit_signal: 'SIGNOPE' is not a signal name"),
     ("training.spike_factor=0.5", r"^training\.spike_factor: 0\.5 would flag ordinary steps"),
     ("training.hang_timeout_s=-1", r"^training\.hang_timeout_s: must be 0 \(off\) or more, got -1"),
+    ("training.startup_timeout_s=-5", r"^training\.startup_timeout_s: must be 0 \(off\) or more, got -5"),
     ("parallel.tensor=2", r"^parallel: tensor \(2\) x pipeline \(1\) parallel sizes must divide the number of "
                           r"processes, 1"),
 ])

@@ -1,23 +1,34 @@
 """DeepSpeed 0.19.8: the patches msds applies to it and the private attributes msds reads.
 
 - pipelines: the process groups a PipelineModule builds (reused across engines), its grid's rank
-  lists and the range of layer specs this stage holds;
+  lists, the range of layer specs this stage holds, and deciding on the optimizer step that
+  `train_batch` takes inside;
 - ZeRO optimizers: the torch optimizer inside DeepSpeed's wrapper, the flat tensors its state is
   keyed by, re-linking ZeRO-1/2's per-parameter views of that state (a 0.19.8 bug), and which
   parameters ZeRO manages;
 - engines: what ZeRO 3 keeps of a destroyed engine in module globals;
 - checkpoints: the non-tensor types DeepSpeed pickles into them (the allowlist of msds's safe
   loading), routing `load_checkpoint`'s reads through a safe loader (0.19.8 unpickles with
-  weights_only=False), and recording which files `save_checkpoint` wrote on this rank.
+  weights_only=False), and recording which files `save_checkpoint` wrote on this rank;
+- JIT-built ops: one extension cache per Python environment, built with that environment's ninja,
+  and a build whose builder was killed recovered instead of waited on forever.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
+import os
+import sys
+import time
 from pathlib import Path
 
 import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+from msds import startup
 
 # Process groups of the pipeline layouts built so far, by (world group, rank set).
 _GROUPS: dict[tuple, object] = {}
@@ -71,6 +82,39 @@ def local_layer_indices(module) -> range:
     holds. Replace when DeepSpeed exposes the bounds; tests/test_compat.py::
     test_pipeline_accessors_read_a_real_pipeline_module fails when the attributes move."""
     return range(module._local_start, module._local_stop)
+
+
+@contextlib.contextmanager
+def pipeline_step_decided(engine, apply, skipped):
+    """Within it, a PipelineEngine's optimizer step (which `train_batch` runs after the last
+    backward pass) first asks `apply(loss)` whether to make the update, and runs inside `skipped(engine)`
+    when not. `loss` is this rank's share of the batch's loss: on the last stage the mean over its
+    micro-batches (private `total_loss`, the sum `train_batch` averages afterwards) times the number
+    of stages, elsewhere 0, so that its sum over every rank divided by the world size is the mean
+    over the data-parallel replicas, as for a flat model (msds.train.guards.StepGuard).
+
+    Why: the pipeline engine applies the update inside `train_batch` (its schedule's OptimizerStep,
+    which the private `_INSTRUCTION_MAP` runs as `_exec_optimizer_step`), before the caller sees the
+    loss, so a bad step could not be skipped. tests/test_compat.py::
+    test_the_pipeline_engine_runs_its_optimizer_step_from_the_instruction_map fails when the
+    attributes move; tests/test_faults.py::test_pipeline_skips_bad_steps shows the skip."""
+    from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+    step = type(engine)._INSTRUCTION_MAP[OptimizerStep]
+
+    def decided(self, *args, **kwargs):
+        if self.is_last_stage():
+            loss = self.total_loss / self.gradient_accumulation_steps() * self.num_stages
+        else:
+            loss = torch.zeros((), device=self.device)
+        with contextlib.nullcontext() if apply(loss) else skipped(self):
+            return step(self, *args, **kwargs)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, OptimizerStep: decided}
+    try:
+        yield
+    finally:
+        del engine._INSTRUCTION_MAP
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
@@ -330,3 +374,98 @@ def _views_in_place(optimizer, group: int) -> bool:
     order = optimizer.round_robin_bit16_indices[group]
     robin = optimizer.round_robin_bit16_groups[group]
     return all(p.data_ptr() == robin[order[k]].data_ptr() for k, p in enumerate(optimizer.bit16_groups[group]))
+
+
+# -- JIT-built ops ---------------------------------------------------------------------------------
+
+EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
+
+
+def extension_cache() -> Path:
+    """Where torch builds DeepSpeed's JIT ops: TORCH_EXTENSIONS_DIR (set by use_one_extension_cache)."""
+    return Path(os.environ[EXTENSIONS_DIR])
+
+
+def use_one_extension_cache() -> None:
+    """One cache of DeepSpeed's JIT-built C++ ops per Python environment, built by one ninja, and no
+    start that waits on a dead builder's lock.
+
+    - TORCH_EXTENSIONS_DIR, unless already set, becomes `<sys.prefix>/torch-extensions` (torch's
+      default, the user's cache directory, is shared by every environment on the machine);
+    - this environment's bin/ goes first on PATH when it holds a ninja (the `ninja` package's):
+      torch runs `ninja` from PATH, and two ninja versions (the environment's and the system's,
+      chosen by whichever PATH a launcher or job had) each read the other's build log as stale and
+      rebuild the op, under the cache's lock each time (issue 66);
+    - OpBuilder.jit_load runs under `_build_lock` and removes a stale lock file first.
+
+    Why: torch.utils.cpp_extension's FileBaton is a bare `lock` file in the op's build directory,
+    created at every start (the build step runs, a no-op when built) and removed when it ends; a
+    process killed in between leaves it, and every later start waits on it forever (issue 66).
+    tests/test_compat.py::test_torchs_build_lock_outlives_its_process fails the day torch's lock
+    dies with its process; tests/test_startup.py::test_a_killed_builds_leftovers_do_not_block_the_next_run
+    plants that leftover under real launches."""
+    os.environ.setdefault(EXTENSIONS_DIR, str(Path(sys.prefix) / "torch-extensions"))
+    env_bin = Path(sys.prefix) / "bin"
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if (env_bin / "ninja").exists() and path[0] != str(env_bin):
+        os.environ["PATH"] = os.pathsep.join([str(env_bin), *path])
+    if not getattr(OpBuilder.jit_load, "msds_recovers", False):
+        OpBuilder.jit_load = _recovering(OpBuilder.jit_load)
+
+
+def _recovering(jit_load):
+    @functools.wraps(jit_load)
+    def load(self, *args, **kwargs):
+        build_dir = extension_cache() / self.name
+        with startup.waiting_on(lambda: _build_wait(self.name, build_dir)), _build_lock(build_dir):
+            _remove_if_stale(build_dir / "lock")
+            return jit_load(self, *args, **kwargs)
+
+    load.msds_recovers = True
+    return load
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """An flock on `<build dir>/msds.lock` around a JIT load: one msds process of the machine builds
+    or loads an op at a time, and the kernel releases the lock when its holder dies, however."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "msds.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_if_stale(lock: Path) -> None:
+    """Under _build_lock a FileBaton `lock` file is another process's only while that process keeps
+    it open (torch holds it open from creation to removal): one that no process of this machine has
+    open was left by a killed builder. ninja finishes the build it interrupted (its log vouches only
+    for outputs whose command completed), so the lock file is all there is to remove."""
+    if lock.exists() and not _holders(lock):
+        print(f"msds: removing {lock}, left by a killed build of a DeepSpeed op (no process holds it)",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
+
+
+def _holders(path: Path) -> list[int]:
+    """The processes of this machine that have `path` open (from /proc; those this user can read)."""
+    target, pids = str(path.resolve()), []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+    return pids
+
+
+def _build_wait(name: str, build_dir: Path) -> str:
+    """What a JIT load waits on, for the start-up watchdog: the lock file and its age, or the build."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return f"the JIT build or load of DeepSpeed's op {name} in {build_dir} (or msds.lock there, held by another process)"
+    holders = _holders(lock)
+    held = f"held open by process {', '.join(map(str, holders))}" if holders else "held by no process"
+    return f"the lock file {lock} (age {age:.0f} s, {held}) of DeepSpeed's JIT-built op {name}"

@@ -281,7 +281,8 @@ def _check_compile(cfg: RunConfig) -> None:
 
 def _check_guards(training) -> None:
     """The bad-step and hang guards' fields (msds.train.guards)."""
-    at_least_zero = {"training.max_bad_steps": training.max_bad_steps, "training.hang_timeout_s": training.hang_timeout_s}
+    at_least_zero = {"training.max_bad_steps": training.max_bad_steps, "training.hang_timeout_s": training.hang_timeout_s,
+                     "training.startup_timeout_s": training.startup_timeout_s}
     for name, value in at_least_zero.items():
         if value < 0:
             raise ConfigError(f"{name}: must be 0 (off) or more, got {value}")

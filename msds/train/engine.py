@@ -132,15 +132,15 @@ def train_step(engine, batches, grad_accum: int, keep_tokens: int | None,
     """One optimizer step over `grad_accum` micro-batches; returns their mean loss (this rank's, or
     for a pipeline, already averaged over the data-parallel replicas and held by every stage).
     `apply(loss)`, when given, hears that loss before the optimizer update and says whether to make
-    it (msds.train.guards); a pipeline steps inside train_batch, so there it hears it after."""
+    it (msds.train.guards); a pipeline's engine steps inside train_batch, where it hears this rank's
+    share of the loss (msds.compat.deepspeed_0_19.pipeline_step_decided)."""
     faults.point("hang-before-step")
     if is_pipeline(engine):
         engine.module.routing.keep_tokens = keep_tokens
         arch = engine.module.cfg.arch
-        loss = engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
-        if apply is not None:
-            apply(loss)
-        return loss
+        with faults.poisoned_pipeline_loss(engine.module), \
+                ds_compat.pipeline_step_decided(engine, apply or (lambda loss: True), update_skipped):
+            return engine.train_batch((pipeline_batch(next(batches), arch) for _ in range(grad_accum)))
     losses = []
     for micro_batch in range(grad_accum):
         loss = faults.poisoned(engine(**on_device(next(batches), engine.device), keep_tokens=keep_tokens))

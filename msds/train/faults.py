@@ -12,7 +12,8 @@ what happens there (docs/cluster.md, "Faults and what they cost"):
     checkpoint-between-files     SIGKILL after DeepSpeed's files of a checkpoint, before msds's
     checkpoint-before-complete   SIGKILL after every file of a checkpoint, before its COMPLETE marker
     hang-before-step             sleep forever before a training step (a rank that hangs, not dies)
-    nan-loss                     the micro-batch's loss (and so its gradients) becomes NaN
+    nan-loss                     the micro-batch's loss (and so its gradients) becomes NaN (under a
+                                 pipeline: on its last stage)
     spike-loss                   the micro-batch's loss (and so its gradients) is multiplied by 1000
 
 The kill is SIGKILL to this process, exactly what the OOM killer or a lost node does: no handler,
@@ -20,6 +21,7 @@ no flush, no cleanup runs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -87,3 +89,15 @@ def poisoned(loss: torch.Tensor) -> torch.Tensor:
         if _due(place):
             loss = loss * factor
     return loss
+
+
+@contextlib.contextmanager
+def poisoned_pipeline_loss(module):
+    """Within it (a training step), a pipeline module's loss function, which DeepSpeed's pipeline
+    engine calls on the last stage once per micro-batch, returns `poisoned` losses."""
+    loss_fn = module.loss_fn
+    module.loss_fn = lambda outputs, labels: poisoned(loss_fn(outputs, labels))
+    try:
+        yield
+    finally:
+        module.loss_fn = loss_fn

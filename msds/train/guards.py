@@ -1,6 +1,7 @@
 """Guards of a training step: a bad step (a NaN or infinite loss, or a spike above
-`training.spike_factor` times the recent mean) is skipped before it reaches the weights, and a
-run that stops stepping (a hung rank) is ended with every rank's stack.
+`training.spike_factor` times the recent mean) is skipped before it reaches the weights, a run
+that stops stepping (a hung rank) is ended with every rank's stack, and so is a start that never
+reaches its first step, with one line naming what it waits on.
 
 The step's loss is all-reduced over every rank together with the stop-signal flag and read to the
 host once, before the optimizer update: all ranks see the same value and agree on skipping, and the
@@ -10,8 +11,8 @@ A skipped step runs DeepSpeed's `engine.step()` with the wrapped torch optimizer
 a no-op: the gradients are cleared as after any step, ZeRO copies its unchanged fp32 master
 partitions back into the model, the learning-rate schedule moves on with the run's steps (the
 V-cycle's phases are counted in steps), and neither the weights nor Adam's moments nor its step
-count change. A pipeline's engine steps inside `train_batch`: there a bad step is detected, counted
-and stops the run after `training.max_bad_steps`, but it has already been applied.
+count change. A pipeline's engine steps inside `train_batch`: there the same decision is made on
+its optimizer step, inside (msds.compat.deepspeed_0_19.pipeline_step_decided).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import faulthandler
 import math
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from msds import startup
 from msds.config import TrainingConfig
 
 # The checkpoint reason of a run stopped by bad steps (metrics.jsonl; slurm/train.sh requeues only
@@ -154,3 +158,51 @@ class HangWatchdog:
             self.stacks_file.unlink(missing_ok=True)
             with contextlib.suppress(OSError):   # another rank's file is still there
                 self.stacks_file.parent.rmdir()
+
+
+class StartupWatchdog:
+    """Ends the process when its first training step has not completed `training.startup_timeout_s`
+    seconds after the process started: appends a header, the one line it prints and the stack of
+    every thread to the rank's stacks file (the HangWatchdog's), prints that line, naming what the
+    process waits on (msds.startup: a lock file and its age, the rendezvous address, a collective),
+    and exits with EXIT_STATUS. slurm/train.sh does not requeue such a job: the requeued job would
+    wait on the same thing. A timer thread, not faulthandler's (the HangWatchdog's): it needs
+    Python to say what is waited on; every wait msds names (a sleep on a lock file, a rendezvous,
+    a gloo collective) releases the interpreter's lock."""
+
+    HEADER = "# msds start-up watchdog:"
+    EXIT_STATUS = 4
+
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int, started: float):
+        self.timeout_s, self.rank, self.started = timeout_s, rank, started
+        self.stacks_file = run_dir / "stacks" / f"rank-{rank}.txt"
+        self._timer = None
+        if timeout_s > 0:   # a negative one is refused by the run plan, which comes next
+            self._timer = threading.Timer(max(0.0, started + timeout_s - time.time()), self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def stop(self) -> None:
+        """The first step completed (or the run ended without one): no timeout any more."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        line = (f"msds train: error: rank {self.rank} has not completed its first step {time.time() - self.started:.0f} s "
+                f"after its start (training.startup_timeout_s {self.timeout_s:g}); it waits on {startup.current()}; "
+                f"the stacks of its threads are in {self.stacks_file}")
+        self.stacks_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.stacks_file, "a") as file:
+            file.write(f"{self.HEADER} rank {self.rank}, host {socket.gethostname()}, pid {os.getpid()}\n{line}\n")
+            file.flush()
+            faulthandler.dump_traceback(file, all_threads=True)
+        print(line, file=sys.stderr, flush=True)
+        os._exit(self.EXIT_STATUS)
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds), from /proc: the start-up watchdog counts imports."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from msds import startup
 from msds.model.files import save_model, without_vocab_padding
 from msds.config import RunConfig, dump_yaml, load_run_config
 from msds.data import eval_batches, train_batches
@@ -28,13 +30,18 @@ from msds.distributed import data_parallel_group, init_distributed, launched_wor
 from msds.plan import RunPlan, build_plan, check_environment
 from msds.plan.pretrained import describe
 from msds.train import checkpointing, relayout
+from msds.train.guards import BAD_STEPS, HangWatchdog, StartupWatchdog, StepGuard, process_start_time
 from msds.train.init_from import pretrained_engine
-from msds.train.guards import BAD_STEPS, HangWatchdog, StepGuard
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, train_step)
 from msds.train.metrics import MetricsLogger
 from msds.train.transition import SavedLevel, run_transition
 
+
+# What a start waits on in its last two stages (msds.startup; the start-up watchdog names it).
+ENGINE_BUILD = ("the engine build or resume (deepspeed.initialize and the checkpoint load: collectives with the "
+                "other ranks)")
+FIRST_STEP = "the first training step (its collectives with the other ranks)"
 
 # The checkpoint reason of a finished run. slurm/train.sh reads it from metrics.jsonl to decide
 # between "requeue" and "done": keep it stable.
@@ -66,8 +73,8 @@ class RunSummary:
 
 
 class Trainer:
-    def __init__(self, plan: RunPlan):
-        self.plan = plan
+    def __init__(self, plan: RunPlan, startup_watchdog: StartupWatchdog):
+        self.plan, self.startup_watchdog = plan, startup_watchdog
         cfg = self.cfg = plan.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Data parallelism is what is left of the world after tensor and pipeline parallelism; the
@@ -210,23 +217,31 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def first_engine(self):
+        """This start's engine: resumed from the newest complete checkpoint, or a fresh one."""
+        engine = self.resume()
+        if engine is not None:
+            return engine
+        seed_generators(self.cfg.training.seed)
+        cfg, plan = self.cfg, self.plan
+        engine = build_engine(plan, self.phase, None) if plan.init_from is None else \
+            pretrained_engine(plan, self.phase)
+        # A start from step 0: what metrics.jsonl holds of an attempt killed before its first
+        # checkpoint is abandoned (read_metrics drops the records before this one).
+        self.log.event("start", {"step": 0},
+                       f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
+                       f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "
+                       f"{plan.layout.pipeline}, data parallel {plan.layout.data}), ZeRO {cfg.training.zero_stage}, "
+                       f"{cfg.training.precision}"
+                       + ("" if plan.init_from is None else f"; model.init_from: {describe(plan.init_from)}"))
+        if plan.init_from is not None:
+            self.log_eval(engine)   # where the loaded weights start: the validation loss at step 0
+        return engine
+
     def run(self) -> RunSummary:
         cfg, plan = self.cfg, self.plan
-        engine = self.resume()
-        if engine is None:
-            seed_generators(cfg.training.seed)
-            engine = build_engine(plan, self.phase, None) if plan.init_from is None else \
-                pretrained_engine(plan, self.phase)
-            # A start from step 0: what metrics.jsonl holds of an attempt killed before its first
-            # checkpoint is abandoned (read_metrics drops the records before this one).
-            self.log.event("start", {"step": 0},
-                           f"training {cfg.model.arch} for {plan.total_steps} steps in {len(plan.phases)} phase(s) "
-                           f"on {self.world} process(es) (tensor parallel {plan.layout.tensor}, pipeline parallel "
-                           f"{plan.layout.pipeline}, data parallel {plan.layout.data}), ZeRO {cfg.training.zero_stage}, "
-                           f"{cfg.training.precision}"
-                           + ("" if plan.init_from is None else f"; model.init_from: {describe(plan.init_from)}"))
-            if plan.init_from is not None:
-                self.log_eval(engine)   # where the loaded weights start: the validation loss at step 0
+        with startup.waiting_on(ENGINE_BUILD):
+            engine = self.first_engine()
         batches = self.batches()
         steps_here, exited_early, any_rank_signalled = 0, False, False
         total = plan.total_steps
@@ -243,8 +258,10 @@ class Trainer:
                 break
             start = time.perf_counter()
             keep = plan.keep_tokens(self.state.step)
-            train_step(engine, batches, cfg.training.grad_accum, keep,
-                       lambda loss: self.guard.check(loss, self.signalled, self.state))
+            with startup.waiting_on(FIRST_STEP):
+                train_step(engine, batches, cfg.training.grad_accum, keep,
+                           lambda loss: self.guard.check(loss, self.signalled, self.state))
+            self.startup_watchdog.stop()
             loss, any_rank_signalled = self.guard.verdict.loss, self.guard.verdict.signalled
             seconds = time.perf_counter() - start
             self.state.flops += plan.flops_per_step(self.phase.level, self.state.step)
@@ -279,8 +296,18 @@ class Trainer:
         return RunSummary(self.state, final_loss, exited_early, list(self.transitions))
 
 
-def train(cfg: RunConfig) -> RunSummary:
-    """Run (or resume) a training run in this process group; callable repeatedly in one process."""
+def train(cfg: RunConfig, started: float | None = None) -> RunSummary:
+    """Run (or resume) a training run in this process group; callable repeatedly in one process.
+    `started`: when this start began (epoch seconds; default now), for the start-up watchdog."""
+    startup_watchdog = StartupWatchdog(cfg.training.startup_timeout_s, Path(cfg.run_dir), int(os.environ.get("RANK", 0)),
+                                       time.time() if started is None else started)
+    try:
+        return _train(cfg, startup_watchdog)
+    finally:
+        startup_watchdog.stop()
+
+
+def _train(cfg: RunConfig, startup_watchdog: StartupWatchdog) -> RunSummary:
     # The whole plan first: a V-cycle that does not fit the parallel layout fails before any
     # process group or engine is made.
     plan = build_plan(cfg, launched_world_size())
@@ -292,7 +319,7 @@ def train(cfg: RunConfig) -> RunSummary:
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(plan.config, run_dir / "config.yaml")
-    trainer = Trainer(plan)
+    trainer = Trainer(plan, startup_watchdog)
     if cfg.training.hang_timeout_s:
         trainer.say(f"hang watchdog: a rank with no step for {cfg.training.hang_timeout_s:g} s writes its stacks to "
                     f"{trainer.watchdog.stacks_file.parent}/rank-<rank>.txt and exits (training.hang_timeout_s)")
@@ -301,7 +328,7 @@ def train(cfg: RunConfig) -> RunSummary:
 
 
 def _run(args) -> int:
-    train(load_run_config(args.config, args.overrides))
+    train(load_run_config(args.config, args.overrides), started=process_start_time())
     return 0
 
 

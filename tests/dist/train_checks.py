@@ -124,7 +124,33 @@ def two(corpus, work):
     results["gpt-pp2-random-ltd"] = run("gpt-pp2-random-ltd", "gpt", corpus, work, *exact,
                                         f"training.ds_config={random_ltd_ds_config(work, 1)}")
     results["pipeline_process_groups"] = [groups_after_first_runs, deepspeed_0_19.reused_group_count()]
+    results["gpt-pp2-bad-steps"] = pipeline_bad_steps(corpus, work)
     return results
+
+
+# tests/test_faults.py::test_pipeline_skips_bad_steps: NaN losses at steps 3, 6 and 7 of a two-stage
+# pipeline (the last stage computes them); two in a row stop it at step 7. A checkpoint every step.
+PIPELINE_BAD_STEPS = ("nan-loss::3,nan-loss::6+", [*EXACT, "parallel.pipeline=2", "multilevel.enabled=false",
+                                                   "training.steps=10", "checkpoint.interval=1", "checkpoint.keep=20",
+                                                   "checkpoint.layout_free=false", "training.max_bad_steps=2"])
+
+
+def pipeline_bad_steps(corpus, work):
+    from msds.errors import MsdsError
+    from msds.train import faults
+
+    spec, overrides = PIPELINE_BAD_STEPS
+    faults._calls.clear()
+    os.environ[faults.ENV] = spec
+    try:
+        run("gpt-pp2-bad-steps", "gpt", corpus, work, *overrides)
+        stopped = None
+    except MsdsError as error:
+        stopped = str(error)
+    finally:
+        del os.environ[faults.ENV]
+    dist.barrier()
+    return {"run_dir": str(work / "gpt-pp2-bad-steps"), "stopped": stopped}
 
 
 def four(corpus, work):
