@@ -330,7 +330,7 @@ def _gaps(table: dict) -> tuple[str, list[tuple[float, float]]]:
     if "gap" in table["rows"][0]:
         return label, [(r["tokens_per_param"], sum(r["gap"]) / len(r["gap"])) for r in table["rows"]]
     return label + " (1 layer alone)", [(r["tokens_per_param"], -sum(r["loss_gap"]) / len(r["loss_gap"]))
-                                        for r in table["rows"] if r["variant"] == CONTROL]
+                                        for r in table["rows"] if r["variant"].startswith(CONTROL)]
 
 
 def crossover_plot(tables: list[dict], path: Path) -> None:

@@ -107,6 +107,11 @@ def update_skipped(engine):
         del basic.step
 
 
+def stacks_file(run_dir: Path, rank: int) -> Path:
+    """The file a rank's watchdogs (hang and start-up) append its thread stacks to."""
+    return run_dir / "stacks" / f"rank-{rank}.txt"
+
+
 class HangWatchdog:
     """Ends the process when no step completes within `training.hang_timeout_s`: faulthandler's
     own thread (it runs even while the main thread waits inside a collective or a C call) writes
@@ -125,7 +130,7 @@ class HangWatchdog:
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int):
         self.timeout_s = timeout_s
-        self.stacks_file = run_dir / "stacks" / f"rank-{rank}.txt"
+        self.stacks_file = stacks_file(run_dir, rank)
         self.rank = rank
         self._file = None
         self._start = 0
@@ -175,7 +180,7 @@ class StartupWatchdog:
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int, started: float):
         self.timeout_s, self.rank, self.started = timeout_s, rank, started
-        self.stacks_file = run_dir / "stacks" / f"rank-{rank}.txt"
+        self.stacks_file = stacks_file(run_dir, rank)
         self._timer = None
         if timeout_s > 0:   # a negative one is refused by the run plan, which comes next
             self._timer = threading.Timer(max(0.0, started + timeout_s - time.time()), self._expire)
