@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 import warnings
 
 from msds.config import ConfigError
@@ -59,12 +60,16 @@ def _without_local_rank(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # When this command started: before its module's imports (the start-up watchdog of `msds train`
+    # counts them), not the process's start, since main may run in a process that began long ago.
+    started = time.time()
     # megatron-core warns at import that apex and Transformer Engine are absent; msds does not need them.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = _without_local_rank(list(sys.argv[1:] if argv is None else argv))
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     parser = build_parser(only=command or "")
     args = parser.parse_args(argv)
+    args.started = started
     if args.command is None:
         parser.print_help()
         return 2

@@ -436,8 +436,8 @@ class TrainingConfig:
     `<run_dir>/stacks/rank-<rank>.txt` and exits with status 1, so the job fails instead of hanging
     (docs/cluster.md, "Faults and what they cost"). 0 = off."""
     startup_timeout_s: float = 900.0
-    """If a rank has not completed its first training step this many seconds after its process
-    started (imports, DeepSpeed's JIT-built ops, the rendezvous, the engine build, a resume and the
+    """If a rank has not completed its first training step this many seconds after its `msds train`
+    command started (imports, DeepSpeed's JIT-built ops, the rendezvous, the engine build, a resume and the
     first step), it writes the stack of each of its threads to `<run_dir>/stacks/rank-<rank>.txt`,
     prints one line naming what it waits on (a lock file and its age, the rendezvous address, the
     collectives of the engine build or first step) and exits with status 4, which slurm/train.sh

@@ -167,8 +167,8 @@ class HangWatchdog:
 
 class StartupWatchdog:
     """Ends the process when its first training step has not completed `training.startup_timeout_s`
-    seconds after the process started: appends a header, the one line it prints and the stack of
-    every thread to the rank's stacks file (the HangWatchdog's), prints that line, naming what the
+    seconds after its start (`msds train`: when the command began, its imports included): appends a
+    header, the one line it prints and the stack of every thread to the rank's stacks file (the HangWatchdog's), prints that line, naming what the
     process waits on (msds.startup: a lock file and its age, the rendezvous address, a collective),
     and exits with EXIT_STATUS. slurm/train.sh does not requeue such a job: the requeued job would
     wait on the same thing. A timer thread, not faulthandler's (the HangWatchdog's): it needs
@@ -204,10 +204,3 @@ class StartupWatchdog:
             faulthandler.dump_traceback(file, all_threads=True)
         print(line, file=sys.stderr, flush=True)
         os._exit(self.EXIT_STATUS)
-
-
-def process_start_time() -> float:
-    """When this process started (epoch seconds), from /proc: the start-up watchdog counts imports."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")

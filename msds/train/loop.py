@@ -30,7 +30,7 @@ from msds.distributed import data_parallel_group, init_distributed, launched_wor
 from msds.plan import RunPlan, build_plan, check_environment
 from msds.plan.pretrained import describe
 from msds.train import checkpointing, relayout
-from msds.train.guards import BAD_STEPS, HangWatchdog, StartupWatchdog, StepGuard, process_start_time
+from msds.train.guards import BAD_STEPS, HangWatchdog, StartupWatchdog, StepGuard
 from msds.train.init_from import pretrained_engine
 from msds.train.engine import (build_engine, destroy_engine, evaluate, full_weights, gather_pipeline_stages,
                                gather_tensor_parallel, train_step)
@@ -328,7 +328,7 @@ def _train(cfg: RunConfig, startup_watchdog: StartupWatchdog) -> RunSummary:
 
 
 def _run(args) -> int:
-    train(load_run_config(args.config, args.overrides), started=process_start_time())
+    train(load_run_config(args.config, args.overrides), started=args.started)
     return 0
 
 
