@@ -1,6 +1,6 @@
 """`msds data prepare`: text in, memory-mapped token files out, streamed in bounded memory.
 
-Steps: gather documents (default corpus from registry archives, or the user's files), build or
+Steps: gather documents (a built-in corpus from registry archives, or the user's files), build or
 train the tokenizer (trained ones see a bounded, hash-chosen sample of the train split), then
 stream: documents are read in batches, tokenized and hashed in worker processes, and appended to
 hash-range bucket files; finally each bucket is sorted by hash and appended to the split files.
@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from msds.data import indexed
-from msds.data.sources import (WIKI_SOURCE, Document, SkipCounts, default_cache_dir, default_corpus_parts,
+from msds.data.sources import (CORPORA, WIKI_SOURCE, Document, SkipCounts, corpus_parts, default_cache_dir,
                                jsonl_documents, jsonl_path, text_file_documents, text_file_paths)
 from msds.data.tokenizer import (BERT_VOCAB_SHA256, WHISPER_SDIST, TokenizerInfo, build_tokenizer,
                                  parse_tokenizer_name)
@@ -76,12 +76,13 @@ class SourceRecord:
     skipped: SkipCounts = field(default_factory=SkipCounts)
 
 
-def resolve_inputs(text_files: str | None, jsonl: str | None, field: str, cache_dir: Path):
-    """(request inputs, loader, input bytes) for the chosen input; the loader fetches what is needed
-    and returns the SourceRecords; input bytes (None for the default corpus, which is small) size
-    the buckets and the tokenizer's sample.
+def resolve_inputs(text_files: str | None, jsonl: str | None, field: str, cache_dir: Path,
+                   corpus: str = "default"):
+    """(request inputs, loader, input bytes) for the chosen input (the built-in `corpus` without
+    files); the loader fetches what is needed and returns the SourceRecords; input bytes (None for
+    the default corpus, which is small) size the buckets and the tokenizer's sample.
 
-    The request inputs are known without downloading anything (the default corpus's archive
+    The request inputs are known without downloading anything (the built-in corpora's archive
     hashes are pinned), so an up-to-date output is recognised before any network access.
     """
     if text_files is not None:
@@ -102,7 +103,7 @@ def resolve_inputs(text_files: str | None, jsonl: str | None, field: str, cache_
             return [SourceRecord(identity, lambda skipped: jsonl_documents(path, field, skipped))]
 
         return {"kind": "jsonl", **identity}, load, path.stat().st_size
-    parts, left_out = default_corpus_parts()
+    parts, left_out = corpus_parts(corpus)
 
     def identity(part) -> dict:
         return {"name": part.name, "registry": part.archive.registry,
@@ -116,7 +117,8 @@ def resolve_inputs(text_files: str | None, jsonl: str | None, field: str, cache_
             records.append(SourceRecord(identity(part), lambda skipped, p=part, a=archive: p.read(a, skipped)))
         return records
 
-    return {"kind": "default", "sources": [identity(p) for p in parts], "left_out": left_out}, load, None
+    return {"kind": corpus, "sources": [identity(p) for p in parts], "left_out": left_out}, load, \
+        CORPORA[corpus].text_bytes
 
 
 def _tokenizer_inputs(kind: str) -> dict | None:
@@ -418,12 +420,13 @@ def _check_splits(split_records: dict[str, dict], documents: int) -> None:
 
 def prepare(tokenizer_name: str, out, text_files: str | None = None, jsonl: str | None = None,
             field: str = "text", cache_dir=None, num_proc: int = 2,
-            log: Callable[[str], None] = print) -> dict | None:
-    """Build the corpus in `out`; returns its manifest, or None when `out` is already up to date."""
+            log: Callable[[str], None] = print, corpus: str = "default") -> dict | None:
+    """Build the corpus in `out` (from the files, else the built-in `corpus`, a name in CORPORA);
+    returns its manifest, or None when `out` is already up to date."""
     out = Path(out)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     spec = parse_tokenizer_name(tokenizer_name)
-    inputs, load_sources, input_bytes = resolve_inputs(text_files, jsonl, field, cache_dir)
+    inputs, load_sources, input_bytes = resolve_inputs(text_files, jsonl, field, cache_dir, corpus)
     request = json.loads(json.dumps({
         "format": indexed.FORMAT, "tokenizer": tokenizer_name, "tokenizer_source": _tokenizer_inputs(spec.kind),
         "inputs": inputs, "split_fractions": SPLIT_FRACTIONS}))
