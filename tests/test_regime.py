@@ -11,7 +11,7 @@ from msds import resources
 from msds.bench import sweep
 from msds.cli import main as msds_main
 from msds.demo import regime_line
-from msds.plan.regime import measured_points, non_embedding_parameters
+from msds.plan.regime import Point, measured_points, nearest, non_embedding_parameters
 from msds.config import model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,3 +72,14 @@ def test_an_unswept_reference_is_never_called_an_interior_optimum():
     check = sweep.interior(coords, {"baseline": 5.0}, "baseline")
     text = sweep.markdown(check)
     assert check["interior"] is None and "interior optimum" not in text and "untuned" in text
+
+
+def test_nearest_weighs_width_beside_depth_and_budget():
+    """Two shapes of one depth measured at one budget: a run is placed at its own width's point (the
+    crossover moves with the width), and a run between two budgets of its shape stays on its shape."""
+    narrow = Point("narrow.json", "gpt", 8, 32, 30.0, None, None, 1)
+    wide = Point("wide.json", "gpt", 8, 64, 30.0, None, None, 1)
+    wide_long = Point("wide.json", "gpt", 8, 64, 90.0, None, None, 1)
+    assert nearest([narrow, wide], layers=8, hidden=64, tokens_per_param=30.0) is wide
+    assert nearest([wide, narrow], layers=8, hidden=32, tokens_per_param=30.0) is narrow
+    assert nearest([narrow, wide, wide_long], layers=8, hidden=64, tokens_per_param=45.0) is wide

@@ -80,11 +80,12 @@ def measured_points(arch: str) -> list[Point]:
     return points
 
 
-def nearest(points: list[Point], layers: int, tokens_per_param: float) -> Optional[Point]:
-    """The measured budget closest to the run: by the log of tokens per parameter, then by depth."""
+def nearest(points: list[Point], layers: int, hidden: int, tokens_per_param: float) -> Optional[Point]:
+    """The measured budget closest to the run: by the log of tokens per parameter, then by depth and
+    width (the crossover moves with both: BENCHMARKS.md, "The saving past the crossover")."""
     def distance(p: Point) -> tuple[float, float]:
-        return (abs(math.log(p.tokens_per_param / tokens_per_param)) + 0.5 * abs(math.log(p.layers / layers)),
-                p.tokens_per_param)
+        return (abs(math.log(p.tokens_per_param / tokens_per_param)) + 0.5 * abs(math.log(p.layers / layers))
+                + 0.5 * abs(math.log(p.hidden / hidden)), p.tokens_per_param)
     return min(points, key=distance, default=None)
 
 
@@ -131,7 +132,7 @@ def regime(model: ModelConfig, baseline_steps: int, tokens_per_step: int, multil
                      f"{tokens_per_step} tokens over {params:,} parameters outside the embeddings)"]}
     if not multilevel:
         return out
-    point = nearest(measured_points(model.arch), model.num_layers, tpp)
+    point = nearest(measured_points(model.arch), model.num_layers, model.hidden_size, tpp)
     if point is None:
         out["no_saving_measured"] = True
         out["lines"].append(f"WARNING: no {model.arch.upper()} V-cycle has been measured: nothing says this run saves")
