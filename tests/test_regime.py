@@ -83,3 +83,14 @@ def test_nearest_weighs_width_beside_depth_and_budget():
     assert nearest([narrow, wide], layers=8, hidden=64, tokens_per_param=30.0) is wide
     assert nearest([wide, narrow], layers=8, hidden=32, tokens_per_param=30.0) is narrow
     assert nearest([narrow, wide, wide_long], layers=8, hidden=64, tokens_per_param=45.0) is wide
+
+
+def test_plan_places_an_8x64_run_at_the_8x64_measurements(capsys):
+    """The shipped 8 x 64 table (benchmarks/budget_curve.py over the deep-gpt64 benches) is where
+    the plan places an 8 x 64 V-cycle at 30 tokens per parameter; an 8 x 32 one stays on 8 x 32."""
+    wide = _plan(capsys, "deep-gpt64-12000")["grow-late"]["regime"]
+    assert (wide["nearest"]["source"], wide["nearest"]["layers"], wide["nearest"]["hidden"]) == \
+        ("budget-curve-gpt64.json", 8, 64)
+    assert wide["nearest"]["tokens_per_param"] == pytest.approx(30.72, abs=0.01)
+    narrow = _plan(capsys, "deep-gpt-3000")["grow-late"]["regime"]
+    assert (narrow["nearest"]["source"], narrow["nearest"]["hidden"]) == ("budget-curve-gpt-deep.json", 32)
